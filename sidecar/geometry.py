@@ -1,0 +1,567 @@
+"""KV-cache geometry: bytes per token, per block and per request, sized as vLLM sizes them.
+
+This module owns the arithmetic every admission decision rests on. It mirrors vLLM 0.32's
+rules (``vllm/v1/kv_cache_interface.py``, ``vllm/v1/core/kv_cache_utils.py``,
+``vllm/transformers_utils/model_arch_config_convertor.py``):
+
+* per layer and token, a standard attention layer stores K and V:
+  ``kv_heads_per_rank * (head_size + head_size_v) * dtype_bytes``, with
+  ``kv_heads_per_rank = max(1, kv_heads // tensor_parallel_size)``;
+* an MLA layer (DeepSeek V2/V3 and relatives) stores one latent of
+  ``kv_lora_rank + qk_rope_head_dim`` elements, not split by tensor parallelism;
+* layers are grouped into KV-cache groups of equal size (the hybrid allocator); one block of
+  the shared pool holds one page of every layer of one group, and a request takes blocks from
+  every group: full-attention groups ``ceil(tokens / block_size)``, sliding-window groups at most
+  ``ceil(min(window - 1 + in_flight_tokens, max_model_len) / block_size) + 1``;
+* the pool has ``available_memory // bytes_per_block`` blocks; the maximum concurrency is
+  ``num_blocks / blocks_per_request(max_model_len)``.
+
+Everything here is pure: no I/O except :func:`load_config`, which reads one JSON file.
+
+>>> kv = ModelKV.from_config({"num_hidden_layers": 28, "num_attention_heads": 28,
+...     "num_key_value_heads": 4, "hidden_size": 3584, "torch_dtype": "bfloat16"})
+>>> kv.bytes_per_token
+57344
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+
+#: Element size of the model dtypes vLLM accepts (``--dtype``) and that configs name.
+MODEL_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+}
+
+#: KV-cache dtypes other than ``auto`` whose layout is a plain element array.
+CACHE_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "int8": 1,
+}
+
+#: DeepSeek's packed FP8 MLA cache: 512 fp8 latent + 4 fp32 scales + 64 bf16 rope = 656 bytes.
+FP8_DS_MLA_BYTES_PER_TOKEN = 656
+
+#: model_type values vLLM treats as MLA when ``kv_lora_rank`` is set.
+MLA_MODEL_TYPES = frozenset(
+    {
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v32",
+        "deepseek_mtp",
+        "kimi_k2",
+        "kimi_linear",
+        "longcat_flash",
+        "pangu_ultra_moe",
+        "glm4_moe_lite",
+        "glm_moe_dsa",
+    }
+)
+
+#: Keys vLLM reads for the model's context length; the smallest present wins.
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+#: Keys under which multimodal configs nest their language model.
+_TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+#: vLLM's default ``--max-num-batched-tokens`` for the OpenAI server on a GPU.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+#: Batches in flight with async scheduling (vLLM's default): two.
+DEFAULT_MAX_CONCURRENT_BATCHES = 2
+
+
+class GeometryError(ValueError):
+    """A model config that cannot be sized. The message is one line, fit for a CLI error."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, as vLLM's ``cdiv``."""
+    return -(a // -b)
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read a Hugging Face ``config.json`` from a file or a model directory."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GeometryError(f"model config not found: {p}") from None
+    except OSError as exc:
+        raise GeometryError(f"cannot read model config {p}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GeometryError(
+            f"model config {p} is not valid JSON: {exc.msg} at line {exc.lineno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise GeometryError(f"model config {p} must be a JSON object")
+    return data
+
+
+def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The language model's config: nested ``text_config`` (multimodal) merged over the top."""
+    for key in _TEXT_CONFIG_KEYS:
+        nested = config.get(key)
+        if isinstance(nested, Mapping):
+            merged = {k: v for k, v in config.items() if k not in _TEXT_CONFIG_KEYS}
+            merged.update(nested)
+            # The dtype usually lives at the top level of multimodal configs.
+            for dtype_key in ("torch_dtype", "dtype"):
+                if config.get(dtype_key) is not None:
+                    merged[dtype_key] = config[dtype_key]
+            return merged
+    return dict(config)
+
+
+def _positive_int(cfg: Mapping[str, Any], key: str, *, required: bool = True) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        if required:
+            raise GeometryError(f"model config is missing '{key}'")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GeometryError(f"'{key}' must be a positive integer, got {value!r}")
+    if value <= 0:
+        raise GeometryError(f"'{key}' must be a positive integer, got {value}")
+    return value
+
+
+def _model_dtype(cfg: Mapping[str, Any], override: str | None) -> str:
+    if override is not None and override != "auto":
+        if override not in MODEL_DTYPE_BYTES:
+            raise GeometryError(f"unknown dtype '{override}'")
+        return override
+    raw = cfg.get("torch_dtype", cfg.get("dtype"))
+    if raw is None:
+        # vLLM downcasts float32 (also transformers' default) to the platform's 16-bit type.
+        return "bfloat16"
+    name = str(raw).removeprefix("torch.")
+    if name not in MODEL_DTYPE_BYTES:
+        raise GeometryError(f"unknown model dtype '{raw}'")
+    return "bfloat16" if MODEL_DTYPE_BYTES[name] == 4 else name
+
+
+def _layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None for full attention), following the model's config."""
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        # Qwen2/Qwen3 ship a sliding_window value that is off unless use_sliding_window is set.
+        window = None
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise GeometryError(f"'sliding_window' must be a positive integer, got {window!r}")
+
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        model_type = str(cfg.get("model_type", ""))
+        pattern = cfg.get("sliding_window_pattern")
+        if window is None:
+            layer_types = [FULL_ATTENTION] * num_layers
+        elif model_type.startswith("gemma2"):
+            layer_types = [
+                SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)
+            ]
+        elif isinstance(pattern, int) and pattern > 0:  # Gemma 3: (pattern - 1) local : 1 global
+            layer_types = [
+                SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+                for i in range(num_layers)
+            ]
+        elif model_type.startswith("gpt_oss"):
+            layer_types = [
+                SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
+            ]
+        elif "max_window_layers" in cfg and model_type.startswith("qwen"):
+            first = int(cfg["max_window_layers"])
+            layer_types = [
+                SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)
+            ]
+        else:  # Mistral style: every layer slides.
+            layer_types = [SLIDING_ATTENTION] * num_layers
+    if not isinstance(layer_types, Sequence) or isinstance(layer_types, str):
+        raise GeometryError("'layer_types' must be a list of attention types")
+    if len(layer_types) < num_layers:
+        raise GeometryError(
+            f"'layer_types' lists {len(layer_types)} layers, the model has {num_layers}"
+        )
+    windows: list[int | None] = []
+    for kind in layer_types[:num_layers]:
+        if kind == FULL_ATTENTION:
+            windows.append(None)
+        elif kind == SLIDING_ATTENTION:
+            if window is None:
+                raise GeometryError("'layer_types' has sliding layers but no 'sliding_window'")
+            windows.append(window)
+        else:
+            raise GeometryError(
+                f"unsupported attention type {kind!r} in 'layer_types' "
+                f"(supported: {FULL_ATTENTION}, {SLIDING_ATTENTION})"
+            )
+    return tuple(windows)
+
+
+def derived_max_model_len(cfg: Mapping[str, Any]) -> int:
+    """The context length vLLM derives from a config when ``--max-model-len`` is not given."""
+    lengths = [
+        v for k in _MAX_LEN_KEYS if isinstance(v := cfg.get(k), int) and not isinstance(v, bool)
+    ]
+    lengths = [v for v in lengths if v > 0]
+    if not lengths:
+        return 2048  # vLLM's fallback, with a warning
+    derived = float(min(lengths))
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if isinstance(rope, Mapping) and "gemma3" not in str(cfg.get("model_type", "")):
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        unscaled = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "mrope")
+        if rope_type not in unscaled and isinstance(rope.get("factor"), (int, float)):
+            derived *= float(rope["factor"])
+    return int(derived)
+
+
+def pp_partition(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Layer ranges per pipeline stage, as vLLM's ``get_pp_indices`` splits them."""
+    per = num_layers // pp_size
+    parts = [per] * pp_size
+    remaining = num_layers % pp_size
+    for i in range(2, remaining + 2):
+        parts[-i] += 1
+    ranges, start = [], 0
+    for n in parts:
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+@dataclass(frozen=True)
+class ModelKV:
+    """The KV cache one GPU rank keeps per token: layers, heads and element size.
+
+    Build it with :meth:`from_config`; ``layer_windows`` holds this rank's layers only.
+    """
+
+    model_type: str
+    architecture: str
+    attention: str  # "mha" | "gqa" | "mqa" | "mla"
+    total_layers: int
+    layer_windows: tuple[int | None, ...]
+    kv_heads_total: int
+    kv_heads_per_rank: int
+    head_size: int
+    head_size_v: int
+    model_dtype: str
+    kv_cache_dtype: str
+    derived_max_model_len: int
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    fixed_bytes_per_token_per_layer: int | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        kv_cache_dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        dtype: str | None = None,
+    ) -> ModelKV:
+        """Size a model from its (possibly multimodal) Hugging Face config dict."""
+        if tensor_parallel_size < 1:
+            raise GeometryError("tensor parallel size must be at least 1")
+        if pipeline_parallel_size < 1:
+            raise GeometryError("pipeline parallel size must be at least 1")
+        cfg = text_config(config)
+        model_type = str(cfg.get("model_type", ""))
+        archs = config.get("architectures") or cfg.get("architectures") or [model_type or "?"]
+        architecture = str(archs[0]) if isinstance(archs, list) and archs else str(archs)
+
+        num_layers = _positive_int(cfg, "num_hidden_layers")
+        assert num_layers is not None
+        if pipeline_parallel_size > num_layers:
+            raise GeometryError(
+                f"pipeline parallel size {pipeline_parallel_size} exceeds {num_layers} layers"
+            )
+        model_dtype = _model_dtype(cfg, dtype)
+
+        is_mla = model_type in MLA_MODEL_TYPES and cfg.get("kv_lora_rank") is not None
+        fixed: int | None = None
+        if is_mla:
+            kv_lora_rank = _positive_int(cfg, "kv_lora_rank")
+            rope_dim = _positive_int(cfg, "qk_rope_head_dim")
+            assert kv_lora_rank is not None and rope_dim is not None
+            head_size, head_size_v = kv_lora_rank + rope_dim, 0
+            kv_heads_total = kv_heads_rank = 1
+            attention = "mla"
+            if kv_cache_dtype == "fp8_ds_mla":
+                fixed = FP8_DS_MLA_BYTES_PER_TOKEN
+        else:
+            heads = _positive_int(cfg, "num_attention_heads")
+            assert heads is not None
+            kv_heads_total = heads
+            for key in (
+                "n_head_kv",
+                "num_kv_heads",
+                "num_key_value_heads",
+                "multi_query_group_num",
+            ):
+                if cfg.get(key) is not None:
+                    kv_heads_total = _positive_int(cfg, key) or heads
+                    break
+            explicit_head = cfg.get("head_dim")
+            if explicit_head is not None and not (
+                isinstance(explicit_head, int) and explicit_head == 0
+            ):
+                head_size = _positive_int(cfg, "head_dim") or 0
+            else:
+                hidden = _positive_int(cfg, "hidden_size")
+                assert hidden is not None
+                if hidden % heads:
+                    raise GeometryError(
+                        f"hidden_size {hidden} is not divisible by num_attention_heads {heads}; "
+                        "set 'head_dim'"
+                    )
+                head_size = hidden // heads
+            head_size_v = head_size
+            kv_heads_rank = max(1, kv_heads_total // tensor_parallel_size)
+            attention = (
+                "mha" if kv_heads_total == heads else "mqa" if kv_heads_total == 1 else "gqa"
+            )
+
+        if kv_cache_dtype == "fp8_ds_mla" and not is_mla:
+            raise GeometryError("kv cache dtype 'fp8_ds_mla' applies to MLA models only")
+        if kv_cache_dtype != "auto" and fixed is None and kv_cache_dtype not in CACHE_DTYPE_BYTES:
+            known = ", ".join(["auto", *CACHE_DTYPE_BYTES, "fp8_ds_mla"])
+            raise GeometryError(f"unknown kv cache dtype '{kv_cache_dtype}' (known: {known})")
+
+        windows = _layer_windows(cfg, num_layers)
+        if is_mla and any(w is not None for w in windows):
+            windows = tuple(None for _ in windows)  # MLA models here have no sliding layers
+        # This rank holds the largest pipeline stage: it has the fewest blocks, so it binds.
+        start, end = max(
+            pp_partition(num_layers, pipeline_parallel_size), key=lambda r: r[1] - r[0]
+        )
+        return cls(
+            model_type=model_type,
+            architecture=architecture,
+            attention=attention,
+            total_layers=num_layers,
+            layer_windows=windows[start:end],
+            kv_heads_total=kv_heads_total,
+            kv_heads_per_rank=kv_heads_rank,
+            head_size=head_size,
+            head_size_v=head_size_v,
+            model_dtype=model_dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            derived_max_model_len=derived_max_model_len(cfg),
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            fixed_bytes_per_token_per_layer=fixed,
+        )
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per KV element: the model dtype under ``auto``, else the cache dtype's."""
+        if self.kv_cache_dtype == "auto":
+            return MODEL_DTYPE_BYTES[self.model_dtype]
+        return CACHE_DTYPE_BYTES.get(self.kv_cache_dtype, 1)
+
+    @property
+    def num_layers(self) -> int:
+        """Attention layers on this rank."""
+        return len(self.layer_windows)
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        if self.fixed_bytes_per_token_per_layer is not None:
+            return self.fixed_bytes_per_token_per_layer
+        return self.kv_heads_per_rank * (self.head_size + self.head_size_v) * self.dtype_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes on this rank across all its layers (no window capping)."""
+        return self.bytes_per_token_per_layer * self.num_layers
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        return tuple(sorted({w for w in self.layer_windows if w is not None}))
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group: ``num_layers`` layers sharing a block table."""
+
+    sliding_window: int | None
+    num_layers: int  # real layers (padding not counted)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """A model's KV cache at a given block size and context length, in vLLM's pool units.
+
+    A *block* here is one block id of vLLM's shared pool, the unit of ``num_gpu_blocks`` and
+    ``vllm:kv_cache_usage_perc``. For a model whose layers all use full attention,
+    ``blocks_for_tokens(n) == ceil(n / block_size)``.
+
+    >>> g = KVGeometry.build(ModelKV.from_config({"num_hidden_layers": 2,
+    ...     "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
+    ...     "torch_dtype": "bfloat16"}), block_size=128, max_model_len=1024)
+    >>> g.bytes_per_block, g.blocks_for_tokens(129)
+    (131072, 2)
+    """
+
+    model: ModelKV
+    block_size: int
+    max_model_len: int
+    groups: tuple[KVGroup, ...]
+    layers_per_group: int
+    max_in_flight_tokens: int
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelKV,
+        *,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_concurrent_batches: int = DEFAULT_MAX_CONCURRENT_BATCHES,
+    ) -> KVGeometry:
+        if block_size <= 0:
+            raise GeometryError(f"block size must be positive, got {block_size}")
+        mml = model.derived_max_model_len if max_model_len is None else max_model_len
+        if mml <= 0:
+            raise GeometryError(f"max model len must be positive, got {mml}")
+        if max_num_batched_tokens <= 0 or max_concurrent_batches <= 0:
+            raise GeometryError("max num batched tokens and concurrent batches must be positive")
+        # Bucket layers by attention spec, then split buckets into groups of equal size, as
+        # vLLM's _get_kv_cache_groups_uniform_page_size does (n:1 patterns group by the "1").
+        buckets: dict[int | None, int] = {}
+        for w in model.layer_windows:
+            buckets[w] = buckets.get(w, 0) + 1
+        if not buckets:
+            raise GeometryError("the model has no attention layers on this rank")
+        if len(buckets) == 1:
+            ((window, count),) = buckets.items()
+            groups: list[KVGroup] = [KVGroup(window, count)]
+        else:
+            smallest, largest = min(buckets.values()), max(buckets.values())
+            group_size = largest if largest < smallest * 1.5 else smallest
+            groups = []
+            for window, count in buckets.items():
+                n_groups = cdiv(count, group_size)
+                for i in range(n_groups):
+                    groups.append(KVGroup(window, len(range(i, count, n_groups))))
+        return cls(
+            model=model,
+            block_size=block_size,
+            max_model_len=mml,
+            groups=tuple(groups),
+            layers_per_group=max(g.num_layers for g in groups),
+            max_in_flight_tokens=max_num_batched_tokens * max_concurrent_batches,
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one layer's page: ``block_size`` tokens of one layer."""
+        return self.block_size * self.model.bytes_per_token_per_layer
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id of the shared pool takes (one page of each layer of a group)."""
+        return self.layers_per_group * self.page_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes per token on this rank, every layer holding every token."""
+        return self.model.bytes_per_token
+
+    def _group_blocks(self, group: KVGroup, num_tokens: int) -> int:
+        blocks = cdiv(num_tokens, self.block_size)
+        if group.sliding_window is None:
+            return blocks
+        held = min(group.sliding_window - 1 + self.max_in_flight_tokens, self.max_model_len)
+        return min(blocks, cdiv(held, self.block_size) + 1)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Pool blocks a request holds at ``num_tokens`` tokens (prompt + generated)."""
+        if num_tokens <= 0:
+            return 0
+        return sum(self._group_blocks(g, num_tokens) for g in self.groups)
+
+    def bytes_for_tokens(self, num_tokens: int) -> int:
+        return self.blocks_for_tokens(num_tokens) * self.bytes_per_block
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """Blocks one request at ``max_model_len`` can hold (vLLM's per-request maximum)."""
+        return self.blocks_for_tokens(self.max_model_len)
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return self.blocks_per_sequence * self.bytes_per_block
+
+    def num_blocks(self, kv_cache_memory_bytes: int) -> int:
+        """Blocks vLLM carves out of ``kv_cache_memory_bytes`` on each rank."""
+        return max(0, kv_cache_memory_bytes // self.bytes_per_block)
+
+    def max_concurrency(self, num_blocks: int) -> float:
+        """Requests of ``max_model_len`` tokens that fit at once (vLLM's startup figure)."""
+        return num_blocks / self.blocks_per_sequence
+
+    def token_capacity(self, num_blocks: int) -> int:
+        """vLLM's ``kv_cache_size_tokens``: max concurrency times max_model_len."""
+        return int(self.max_concurrency(num_blocks) * self.max_model_len)
+
+
+def kv_cache_memory_bytes(
+    gpu_memory_gib: float, gpu_memory_utilization: float, weights_gib: float
+) -> int:
+    """Memory left for the KV cache: total x utilization - weights (and other fixed memory)."""
+    if gpu_memory_gib <= 0:
+        raise GeometryError(f"GPU memory must be positive, got {gpu_memory_gib}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise GeometryError(
+            f"GPU memory utilization must be in (0, 1], got {gpu_memory_utilization}"
+        )
+    if weights_gib < 0:
+        raise GeometryError(f"weights size must not be negative, got {weights_gib}")
+    available = gpu_memory_gib * gpu_memory_utilization - weights_gib
+    if available <= 0:
+        raise GeometryError(
+            f"no memory left for the KV cache: {gpu_memory_gib} GiB x {gpu_memory_utilization}"
+            f" - {weights_gib} GiB of weights = {available:.2f} GiB"
+        )
+    return math.floor(available * GIB)

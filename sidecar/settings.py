@@ -1,0 +1,94 @@
+"""The sidecar's settings: one pydantic-settings class for env vars and ``kv-sidecar serve`` flags.
+
+Every field is a flag (``--max-queue-wait``) and an env var (``KV_SIDECAR_MAX_QUEUE_WAIT``);
+flags win over env vars, env vars over defaults. Field docstrings are the ``--help`` text.
+
+>>> Settings(_cli_parse_args=["--policy", "reject"]).policy
+'reject'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Policy = Literal["reject", "queue"]
+Reservation = Literal["worst-case", "expected"]
+StalePolicy = Literal["open", "closed"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KV_SIDECAR_",
+        cli_prog_name="kv-sidecar serve",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        use_attribute_docstrings=True,
+        extra="ignore",
+        frozen=True,
+    )
+
+    upstream: str = "http://127.0.0.1:8000"
+    """Base URL of the vLLM OpenAI server (usually localhost in the same pod)."""
+    host: str = "0.0.0.0"
+    """Address the proxy and metrics ports bind to."""
+    port: int = Field(default=8080, ge=0, le=65535)
+    """Proxy port: clients talk to this instead of vLLM."""
+    metrics_port: int = Field(default=9091, ge=0, le=65535)
+    """Port of the sidecar's own /metrics, /healthz and /readyz."""
+
+    model_config_path: Path | None = Field(
+        default=None,
+        # pydantic reserves `model_config`; the alias keeps the contract's flag and env var.
+        validation_alias=AliasChoices("model_config", "KV_SIDECAR_MODEL_CONFIG"),
+    )
+    """Model directory or config.json for exact KV geometry (default: discover from vLLM)."""
+    tokenizer: Path | None = None
+    """Local tokenizer directory (default: the model directory, else vLLM's /tokenize)."""
+    served_model_name: str | None = None
+    """Model name clients send (default: the first model vLLM lists)."""
+    max_model_len: int | None = Field(default=None, gt=0)
+    """Context length (default: vLLM's /v1/models)."""
+
+    policy: Policy = "queue"
+    """What to do with a request that does not fit now: refuse with 429, or queue it."""
+    max_queue_wait: float = Field(default=30.0, ge=0)
+    """Seconds a request may wait in the queue before it gets 429 queue_timeout."""
+    max_queue_depth: int = Field(default=256, ge=0)
+    """Requests the queue holds; beyond it new ones get 429 queue_full."""
+    headroom: float = Field(default=0.05, ge=0, lt=1)
+    """Share of KV blocks never promised to requests."""
+    reservation: Reservation = "worst-case"
+    """worst-case: reserve prompt + max_tokens; expected: prompt + a learned completion quantile."""
+    expected_quantile: float = Field(default=0.95, gt=0, le=1)
+    """Quantile of completion/max_tokens ratios reserved in expected mode."""
+    scrape_interval: float = Field(default=0.5, gt=0)
+    """Seconds between scrapes of vLLM's /metrics."""
+    metrics_stale_after: float = Field(default=5.0, gt=0)
+    """Seconds after which vLLM's metrics count as stale."""
+    stale_policy: StalePolicy = "open"
+    """On stale vLLM metrics, admit on the ledger alone (open) or refuse with 503 (closed)."""
+
+    upstream_connect_timeout: float = Field(default=5.0, gt=0)
+    """Seconds to connect to vLLM."""
+    upstream_read_timeout: float = Field(default=600.0, gt=0)
+    """Seconds to wait for each chunk of vLLM's answer."""
+    upstream_max_connections: int = Field(default=1024, gt=0)
+    """Pooled connections to vLLM."""
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    """Largest generation request body accepted (413 above it)."""
+    drain_timeout: float = Field(default=30.0, ge=0)
+    """Seconds in-flight requests get to finish after SIGTERM."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level."""
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("upstream must be an http:// or https:// URL")
+        # Joined with paths that start with '/': keep the base without a trailing slash.
+        return value.rstrip("/")
