@@ -1,0 +1,969 @@
+"""Prompt token counts agree with vLLM: the local tokenizer, /tokenize, and what vLLM reports.
+
+Three layers:
+* offline, against ``fixtures/tokens/vllm-0.32.0.json`` (vLLM's own normalisation functions,
+  captured by ``fixtures/tokens/capture_vllm.py``): content-format detection, message
+  normalisation, tool dumps, Responses input conversion;
+* against the real vLLM (``@pytest.mark.vllm``): for every shape in ``SHAPES``, the local count,
+  the count through /tokenize (UPSTREAM mode) and ``usage`` of the request actually sent agree;
+* fallbacks: a closed port and a real 404 give estimates that never undercount; a fake
+  /tokenize (httpx.MockTransport) shows one concurrent call per prompt and 400s as PromptError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from harness.vllm_cpu import ensure_model, free_port
+from sidecar.tokens import (
+    CountMethod,
+    ModelTokenizer,
+    PromptCounter,
+    PromptError,
+    TokenCount,
+    _chat_tool,
+    _conversation,
+    _merge_kwargs,
+    _plan,
+    _response_messages,
+    _response_tools,
+    _Truncation,
+    detect_content_format,
+)
+from tests.conftest import VllmInfo
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tokens"
+CAPTURED = json.loads((FIXTURES / "vllm-0.32.0.json").read_text())
+
+pytestmark = pytest.mark.timeout(300)
+
+# --------------------------------------------------------------------------------------------
+# The request shapes checked against the real vLLM
+# --------------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TOOL_TURNS = [
+    {"role": "user", "content": "weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+#: ~2,400 characters: above the default offload threshold, ~460 tokens (under max_model_len).
+LONG_TEXT = "the cache block " * 150
+#: ~1,200 tokens: more than max_model_len (1024), for truncation to the context.
+OVERLONG_TEXT = "the cache block " * 400
+
+SHAPES: list[tuple[str, str, dict[str, Any]]] = [
+    ("cmpl-string", "completions", {"prompt": "hello world"}),
+    ("cmpl-list-of-strings", "completions", {"prompt": ["hello world", "the cache block"]}),
+    ("cmpl-token-ids", "completions", {"prompt": [5, 6, 7, 8]}),
+    ("cmpl-list-of-id-lists", "completions", {"prompt": [[5, 6, 7], [8, 9]]}),
+    ("cmpl-unicode-emoji", "completions", {"prompt": "Ünïcödé 🚀🔥 日本語テキスト"}),
+    ("cmpl-single-space", "completions", {"prompt": " "}),
+    ("cmpl-no-special-tokens", "completions", {"prompt": "hello", "add_special_tokens": False}),
+    ("cmpl-truncated", "completions", {"prompt": LONG_TEXT, "truncate_prompt_tokens": 10}),
+    ("cmpl-long", "completions", {"prompt": LONG_TEXT}),
+    (
+        "cmpl-truncated-to-context",
+        "completions",
+        {"prompt": OVERLONG_TEXT, "truncate_prompt_tokens": -1},
+    ),
+    ("chat-user", "chat", {"messages": [{"role": "user", "content": "hello"}]}),
+    (
+        "chat-system-user",
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hello"},
+            ]
+        },
+    ),
+    (
+        "chat-multi-turn",
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "two"},
+                {"role": "user", "content": "three"},
+            ]
+        },
+    ),
+    (
+        "chat-text-part",
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "only part"}]}]},
+    ),
+    (
+        "chat-several-text-parts",
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "first"},
+                        {"type": "text", "text": "second"},
+                    ],
+                }
+            ]
+        },
+    ),
+    (
+        "chat-tools",
+        "chat",
+        {"messages": TOOL_TURNS[:1], "tools": [WEATHER_TOOL], "tool_choice": "none"},
+    ),
+    ("chat-tool-calls-and-result", "chat", {"messages": TOOL_TURNS}),
+    (
+        "chat-tools-and-tool-calls",
+        "chat",
+        {"messages": TOOL_TURNS, "tools": [WEATHER_TOOL], "tool_choice": "none"},
+    ),
+    (
+        "chat-no-generation-prompt",
+        "chat",
+        {"messages": [{"role": "user", "content": "hello"}], "add_generation_prompt": False},
+    ),
+    (
+        "chat-continue-final-message",
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "The answer is "},
+            ],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    ),
+    (
+        "chat-developer-and-system",
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "developer", "content": "d"},
+                {"role": "user", "content": "u"},
+            ]
+        },
+    ),
+    (
+        "chat-tool-result-parts",
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "tool",
+                    "tool_call_id": "c",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ]
+        },
+    ),
+    (
+        "chat-template-kwargs-tools",
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "hello"}],
+            "chat_template_kwargs": {"tools": [WEATHER_TOOL]},
+        },
+    ),
+    (
+        "chat-bad-tool-arguments",
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": "x",
+                    "tool_calls": [
+                        {
+                            "id": "1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "not json"},
+                        }
+                    ],
+                }
+            ]
+        },
+    ),
+    (
+        "chat-truncated",
+        "chat",
+        {"messages": [{"role": "user", "content": "hi there"}], "truncate_prompt_tokens": 4},
+    ),
+    ("chat-long", "chat", {"messages": [{"role": "user", "content": LONG_TEXT}]}),
+    ("resp-string", "responses", {"input": "hello", "instructions": "be brief"}),
+    (
+        "resp-items",
+        "responses",
+        {
+            "input": [
+                {"type": "message", "role": "user", "content": "hello"},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "hi!"}],
+                },
+                {"role": "user", "content": [{"type": "input_text", "text": "bye"}]},
+            ]
+        },
+    ),
+    (
+        "resp-function-call",
+        "responses",
+        {
+            "input": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "get_weather",
+                    "arguments": '{"city":"Paris"}',
+                },
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "name": "get_weather",
+                    "description": "d",
+                    "parameters": {"type": "object", "properties": {}},
+                }
+            ],
+        },
+    ),
+    ("resp-truncation-auto", "responses", {"input": OVERLONG_TEXT, "truncation": "auto"}),
+    (
+        "resp-partial-assistant",
+        "responses",
+        {
+            "input": [
+                {"role": "user", "content": "hello"},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "incomplete",
+                    "content": [{"type": "output_text", "text": "The answer"}],
+                },
+            ]
+        },
+    ),
+]
+SHAPE_IDS = [shape[0] for shape in SHAPES]
+ENDPOINT_PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+}
+
+
+def tokenize_payloads(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The /tokenize requests a client would send for ``body``; None where none applies."""
+    if "truncate_prompt_tokens" in body or endpoint == "responses":
+        return None  # /tokenize neither truncates nor speaks Responses
+    if endpoint == "completions":
+        prompt = body["prompt"]
+        prompts = (
+            prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+        )
+        if not all(isinstance(p, str) for p in prompts):
+            return None  # /tokenize takes text only
+        extra = {k: body[k] for k in ("add_special_tokens",) if k in body}
+        return [{"prompt": p, **extra} for p in prompts]
+    keys = (
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template_kwargs",
+        "add_special_tokens",
+    )
+    return [{k: body[k] for k in keys if k in body}]
+
+
+# --------------------------------------------------------------------------------------------
+# Fixtures
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def served_tokenizer(vllm: VllmInfo) -> ModelTokenizer:
+    """The tokenizer of the model the test vLLM serves."""
+    if vllm.model_dir is None:
+        pytest.skip("the model directory of the external vLLM is not readable here")
+    return ModelTokenizer.load(vllm.model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> ModelTokenizer:
+    """The generated test model's tokenizer, without starting vLLM."""
+    return ModelTokenizer.load(ensure_model())
+
+
+@pytest.fixture
+async def client() -> Any:
+    async with httpx.AsyncClient(timeout=60) as http:
+        yield http
+
+
+def closed_port_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"
+
+
+# --------------------------------------------------------------------------------------------
+# Against the real vLLM
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("endpoint", "body"), [s[1:] for s in SHAPES], ids=SHAPE_IDS)
+async def test_counts_match_vllm(
+    vllm: VllmInfo,
+    served_tokenizer: ModelTokenizer,
+    client: httpx.AsyncClient,
+    endpoint: str,
+    body: dict[str, Any],
+) -> None:
+    local = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model=None,
+        tokenizer_path=None,
+        tokenizer=served_tokenizer,
+        max_model_len=vllm.max_model_len,
+    )
+    upstream = PromptCounter(
+        client=client, upstream=vllm.url, served_model=vllm.served_name, tokenizer_path=None
+    )
+    # Sent with one output token, as vLLM's truncation to the context depends on it.
+    limit = {"max_output_tokens": 1} if endpoint == "responses" else {"max_tokens": 1}
+    request = {**body, **limit}
+    by_local = await local.count(endpoint, request)  # type: ignore[arg-type]
+    by_upstream = await upstream.count(endpoint, request)  # type: ignore[arg-type]
+
+    assert by_local.method is CountMethod.LOCAL
+    prompt = body.get("prompt")
+    token_ids = isinstance(prompt, list) and all(isinstance(p, int | list) for p in prompt)
+    assert by_upstream.method is (CountMethod.LOCAL if token_ids else CountMethod.UPSTREAM)
+    assert by_upstream.prompts == by_local.prompts
+
+    payloads = tokenize_payloads(endpoint, body)
+    if payloads is not None:
+        tokenized = []
+        for payload in payloads:
+            answer = await client.post(
+                vllm.url + "/tokenize", json={"model": vllm.served_name, **payload}
+            )
+            assert answer.status_code == 200, answer.text
+            tokenized.append(answer.json()["count"])
+        assert tuple(tokenized) == by_local.prompts
+
+    sent = await client.post(
+        vllm.url + ENDPOINT_PATHS[endpoint], json={"model": vllm.served_name, **request}
+    )
+    assert sent.status_code == 200, sent.text
+    usage = sent.json()["usage"]
+    reported = usage["input_tokens"] if endpoint == "responses" else usage["prompt_tokens"]
+    assert by_local.total == reported
+
+
+@pytest.mark.vllm
+async def test_prompt_vllm_refuses_is_a_prompt_error(
+    vllm: VllmInfo, client: httpx.AsyncClient
+) -> None:
+    """Content the tokenizer cannot expand goes to /tokenize; vLLM's refusal becomes ours."""
+    counter = PromptCounter(
+        client=client, upstream=vllm.url, served_model=vllm.served_name, tokenizer_path=None
+    )
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}},
+                ],
+            }
+        ]
+    }
+    with pytest.raises(PromptError) as refused:
+        await counter.count("chat", body)
+    sent = await client.post(
+        vllm.url + "/v1/chat/completions", json={"model": vllm.served_name, **body}
+    )
+    assert sent.status_code == 400
+    assert str(refused.value) == sent.json()["error"]["message"]
+
+
+@pytest.mark.vllm
+async def test_real_404_and_closed_port_give_estimates_that_do_not_undercount(
+    vllm: VllmInfo, served_tokenizer: ModelTokenizer, client: httpx.AsyncClient
+) -> None:
+    local = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model=None,
+        tokenizer_path=None,
+        tokenizer=served_tokenizer,
+    )
+    not_found = vllm.url + "/no-such-prefix"  # vLLM answers POST /no-such-prefix/tokenize: 404
+    closed = closed_port_url()
+    for upstream in (not_found, closed):
+        counter = PromptCounter(
+            client=client, upstream=upstream, served_model=vllm.served_name, tokenizer_path=None
+        )
+        for shape_id, endpoint, body in SHAPES:
+            exact = await local.count(endpoint, body)  # type: ignore[arg-type]
+            estimate = await counter.count(endpoint, body)  # type: ignore[arg-type]
+            if estimate.method is CountMethod.LOCAL:  # token ids: exact without help
+                assert estimate.prompts == exact.prompts, shape_id
+                continue
+            assert estimate.method is CountMethod.ESTIMATE, shape_id
+            assert len(estimate.prompts) == len(exact.prompts), shape_id
+            for guessed, counted in zip(estimate.prompts, exact.prompts, strict=True):
+                assert guessed >= counted, (shape_id, guessed, counted)
+
+
+@pytest.mark.vllm
+async def test_tokenizer_loads_in_background(vllm: VllmInfo, client: httpx.AsyncClient) -> None:
+    if vllm.model_dir is None:
+        pytest.skip("the model directory of the external vLLM is not readable here")
+    counter = PromptCounter(
+        client=client,
+        upstream=vllm.url,
+        served_model=vllm.served_name,
+        tokenizer_path=vllm.model_dir,
+    )
+    try:
+        assert await counter.wait_ready()
+        for shape_id, endpoint, body in SHAPES:
+            count = await counter.count(endpoint, body)  # type: ignore[arg-type]
+            assert count.method is CountMethod.LOCAL, shape_id
+        # The first local count of each endpoint was checked against /tokenize meanwhile.
+        await counter.wait_checks()
+        assert counter.verified_endpoints == {"completions", "chat", "responses"}
+        assert not counter.mismatched_endpoints
+    finally:
+        counter.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Offline: vLLM's normalisation rules, captured from vLLM itself
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "expected"), sorted(CAPTURED["content_formats"].items()))
+def test_content_format_detection_matches_vllm(name: str, expected: str) -> None:
+    template = (FIXTURES / "templates" / name).read_text()
+    assert detect_content_format(template) == expected
+
+
+@pytest.mark.parametrize("case", CAPTURED["conversations"], ids=lambda c: json.dumps(c)[:60])
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_message_normalisation_matches_vllm(case: dict[str, Any], content_format: str) -> None:
+    got = _conversation(case["messages"], content_format)  # type: ignore[arg-type]
+    # Key order too: templates that dump a message with tojson see it.
+    assert json.dumps(got) == json.dumps(case[content_format])
+
+
+def test_message_normalisation_does_not_touch_the_body() -> None:
+    messages = json.loads(json.dumps(TOOL_TURNS))
+    _conversation(messages, "openai")
+    assert messages == TOOL_TURNS
+
+
+@pytest.mark.parametrize("case", CAPTURED["chat_tools"], ids=lambda c: json.dumps(c)[:60])
+def test_chat_tools_dump_as_vllm_dumps_them(case: dict[str, Any]) -> None:
+    dumped = [_chat_tool(tool) for tool in case["tools"]]
+    assert json.dumps(dumped) == json.dumps(case["dumped"])
+
+
+@pytest.mark.parametrize("case", CAPTURED["responses"], ids=lambda c: json.dumps(c["body"])[:60])
+def test_responses_input_becomes_the_messages_vllm_builds(case: dict[str, Any]) -> None:
+    body = case["body"]
+    assert _response_messages(body.get("instructions"), body["input"]) == case["messages"]
+    assert _response_tools(body.get("tools")) == case["tools"]
+    plan = _plan("responses", body)
+    flags = {
+        "add_generation_prompt": plan.add_generation_prompt,  # type: ignore[union-attr]
+        "continue_final_message": plan.continue_final_message,  # type: ignore[union-attr]
+    }
+    merged = _merge_kwargs(plan.template_kwargs, flags)  # type: ignore[union-attr]
+    assert merged == case["chat_template_kwargs"]
+
+
+def test_merge_kwargs_treats_none_and_auto_as_unset() -> None:
+    assert _merge_kwargs({"a": 1, "b": 2}, {"a": None, "b": "auto", "c": 3}) == {
+        "a": 1,
+        "b": 2,
+        "c": 3,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Offline: plans, truncation, refusals
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "message"),
+    [
+        ("completions", {}, "Either prompt or prompt_embeds"),
+        ("completions", {"prompt": ""}, "Either prompt or prompt_embeds"),
+        ("completions", {"prompt": []}, "at least one prompt"),
+        ("completions", {"prompt": 42}, "`prompt` must be"),
+        ("completions", {"prompt": [1, "a"]}, "`prompt` must be"),
+        ("completions", {"prompt": [[1], "a"]}, "`prompt` must be"),
+        ("completions", {"prompt": [-1]}, "non-negative"),
+        ("completions", {"prompt": "x", "max_tokens": "many"}, "`max_tokens` must be"),
+        ("chat", {"messages": "hello"}, "`messages` must be a list"),
+        ("chat", {"messages": [{"content": "no role"}]}, "string `role`"),
+        (
+            "chat",
+            {"messages": [], "add_generation_prompt": True, "continue_final_message": True},
+            "Cannot set both",
+        ),
+        ("chat", {"messages": [], "tools": [{"type": "web"}]}, "function tool"),
+        ("chat", {"messages": [], "chat_template_kwargs": "x"}, "must be an object"),
+        ("responses", {"input": 3}, "`input` must be"),
+        (
+            "responses",
+            {"input": [{"type": "reasoning", "encrypted_content": "zz"}]},
+            "Encrypted content",
+        ),
+        ("embeddings", {"input": "x"}, "not supported for endpoint"),
+    ],
+)
+async def test_uninterpretable_prompts_are_prompt_errors(
+    endpoint: str, body: dict[str, Any], message: str
+) -> None:
+    counter = PromptCounter(client=None, upstream=None, served_model=None, tokenizer_path=None)
+    with pytest.raises(PromptError, match=message) as refused:
+        await counter.count(endpoint, body)  # type: ignore[arg-type]
+    assert "\n" not in str(refused.value)
+
+
+async def test_a_body_that_is_not_an_object_is_a_prompt_error() -> None:
+    counter = PromptCounter(client=None, upstream=None, served_model=None, tokenizer_path=None)
+    with pytest.raises(PromptError):
+        await counter.count("chat", ["not", "a", "dict"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("keep", "max_output", "max_model_len", "count", "expected"),
+    [
+        (None, 16, 1024, 2000, 2000),
+        (10, 16, 1024, 50, 10),
+        (10, 16, 1024, 5, 5),
+        (0, 16, 1024, 5, 0),
+        (-1, 16, 1024, 2000, 1023),  # one token of context held back for output
+        (-1, 0, 1024, 2000, 1024),
+        (-1, 16, None, 2000, 2000),  # unknown context: leave it to vLLM
+    ],
+)
+def test_truncation_as_vllm_applies_it(
+    keep: int | None, max_output: int, max_model_len: int | None, count: int, expected: int
+) -> None:
+    assert _Truncation(keep, max_output).apply(count, max_model_len) == expected
+
+
+def test_completions_default_max_tokens_decides_truncation_headroom() -> None:
+    plan = _plan("completions", {"prompt": "x", "truncate_prompt_tokens": -1, "max_tokens": None})
+    assert plan.truncation == _Truncation(-1, 16)  # type: ignore[union-attr]
+    chat = _plan("chat", {"messages": [], "truncate_prompt_tokens": -1})
+    assert chat.truncation == _Truncation(-1, 0)  # type: ignore[union-attr]
+
+
+async def test_token_ids_and_forwarded_ids_need_no_tokenizer() -> None:
+    counter = PromptCounter(client=None, upstream=None, served_model=None, tokenizer_path=None)
+    ids = await counter.count("completions", {"prompt": [[1, 2, 3], [4]]})
+    assert (ids.prompts, ids.method) == ((3, 1), CountMethod.LOCAL)
+    reused = await counter.count(
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "kv_transfer_params": {"prompt_token_ids": [7, 8, 9, 10]},
+        },
+    )
+    assert (reused.prompts, reused.method) == ((4,), CountMethod.LOCAL)
+
+
+async def test_unknowable_shapes_are_flagged_estimates(caplog: pytest.LogCaptureFixture) -> None:
+    counter = PromptCounter(client=None, upstream=None, served_model=None, tokenizer_path=None)
+    caplog.set_level(logging.WARNING, logger="sidecar.tokens")
+    history = await counter.count("responses", {"input": "x" * 40, "previous_response_id": "r1"})
+    assert history.method is CountMethod.ESTIMATE
+    assert history.total >= 40
+    fim = await counter.count("completions", {"prompt": "def f(", "suffix": "return x"})
+    assert fim.method is CountMethod.ESTIMATE
+    assert fim.total >= len("def f(return x")
+    odd = await counter.count("responses", {"input": [{"type": "web_search_call", "id": "w"}]})
+    assert odd.method is CountMethod.ESTIMATE
+    assert len(caplog.records) == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Fallbacks and the upstream protocol (fake /tokenize)
+# --------------------------------------------------------------------------------------------
+
+
+class FakeTokenize:
+    """A /tokenize that answers ``count = len(prompt)`` after all expected calls arrived."""
+
+    def __init__(self, status: int = 200, expect_concurrent: int = 1) -> None:
+        self.status = status
+        self.calls: list[dict[str, Any]] = []
+        self.expect = expect_concurrent
+        self.arrived = asyncio.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/tokenize"
+        payload = json.loads(request.content)
+        self.calls.append(payload)
+        if len(self.calls) >= self.expect:
+            self.arrived.set()
+        # Each call waits for the others: this only finishes if they are in flight together.
+        await asyncio.wait_for(self.arrived.wait(), timeout=5)
+        if self.status != 200:
+            return httpx.Response(
+                self.status,
+                json={
+                    "error": {
+                        "message": "bad\nprompt",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": self.status,
+                    }
+                },
+            )
+        text = payload.get("prompt") or json.dumps(payload.get("messages"))
+        return httpx.Response(200, json={"count": len(text), "max_model_len": 777, "tokens": []})
+
+
+async def test_a_list_of_prompts_is_one_concurrent_call_per_prompt() -> None:
+    fake = FakeTokenize(expect_concurrent=3)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
+        counter = PromptCounter(
+            client=http, upstream="http://vllm:8000/", served_model="tiny", tokenizer_path=None
+        )
+        count = await counter.count(
+            "completions", {"prompt": ["a", "bb", "ccc"], "add_special_tokens": False}
+        )
+    assert (count.prompts, count.method) == ((1, 2, 3), CountMethod.UPSTREAM)
+    assert sorted(c["prompt"] for c in fake.calls) == ["a", "bb", "ccc"]
+    assert all(c["model"] == "tiny" and c["add_special_tokens"] is False for c in fake.calls)
+    assert counter.max_model_len == 777  # learnt from the answer
+
+
+async def test_chat_goes_upstream_with_the_template_inputs() -> None:
+    fake = FakeTokenize()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
+        counter = PromptCounter(
+            client=http, upstream="http://vllm:8000", served_model="tiny", tokenizer_path=None
+        )
+        count = await counter.count(
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [WEATHER_TOOL],
+                "documents": [{"title": "t", "text": "x"}],
+                "chat_template_kwargs": {"enable_thinking": False},
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+            },
+        )
+    assert count.method is CountMethod.UPSTREAM
+    (call,) = fake.calls
+    assert call["tools"] == [_chat_tool(WEATHER_TOOL)]
+    assert call["chat_template_kwargs"] == {
+        "enable_thinking": False,
+        "documents": [{"title": "t", "text": "x"}],
+    }
+    assert (call["add_generation_prompt"], call["continue_final_message"]) == (False, True)
+    assert call["add_special_tokens"] is False
+
+
+async def test_responses_go_upstream_as_chat_messages() -> None:
+    fake = FakeTokenize()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
+        counter = PromptCounter(
+            client=http, upstream="http://vllm:8000", served_model="tiny", tokenizer_path=None
+        )
+        await counter.count(
+            "responses",
+            {
+                "instructions": "sys",
+                "input": [
+                    {
+                        "type": "message",
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "a"},
+                            {"type": "input_image", "image_url": "http://x/y.png"},
+                        ],
+                    }
+                ],
+            },
+        )
+    (call,) = fake.calls
+    assert call["messages"] == [
+        {"role": "system", "content": "sys"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+            ],
+        },
+    ]
+    assert call["add_special_tokens"] is True
+
+
+async def test_upstream_400_is_a_one_line_prompt_error() -> None:
+    fake = FakeTokenize(status=400)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
+        counter = PromptCounter(
+            client=http, upstream="http://vllm:8000", served_model=None, tokenizer_path=None
+        )
+        with pytest.raises(PromptError) as refused:
+            await counter.count("completions", {"prompt": "x"})
+    assert str(refused.value) == "bad prompt"
+    assert "model" not in fake.calls[0]
+
+
+@pytest.mark.parametrize("status", [404, 500, 503])
+async def test_upstream_failures_give_estimates_and_one_warning_a_minute(
+    status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeTokenize(status=status)
+    caplog.set_level(logging.WARNING, logger="sidecar.tokens")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
+        counter = PromptCounter(
+            client=http, upstream="http://vllm:8000", served_model=None, tokenizer_path=None
+        )
+        counts = [await counter.count("completions", {"prompt": "hello"}) for _ in range(5)]
+    assert {c.method for c in counts} == {CountMethod.ESTIMATE}
+    assert all(c.total >= len("hello") for c in counts)
+    assert len(fake.calls) == 1  # not asked again right after failing
+    assert len(caplog.records) == 1
+    assert "unavailable" in caplog.records[0].getMessage()
+
+
+async def test_connection_refused_gives_an_estimate() -> None:
+    async with httpx.AsyncClient() as http:
+        counter = PromptCounter(
+            client=http, upstream=closed_port_url(), served_model=None, tokenizer_path=None
+        )
+        count = await counter.count("chat", {"messages": [{"role": "user", "content": "hi"}]})
+    assert count.method is CountMethod.ESTIMATE
+    assert count.total > 0
+
+
+async def test_an_unloadable_tokenizer_falls_back_upstream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="sidecar.tokens")
+    fake = FakeTokenize()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
+        counter = PromptCounter(
+            client=http, upstream="http://vllm:8000", served_model=None, tokenizer_path=tmp_path
+        )
+        try:
+            assert not await counter.wait_ready()
+            count = await counter.count("completions", {"prompt": "abc"})
+        finally:
+            counter.close()
+    assert count.method is CountMethod.UPSTREAM
+    assert any("cannot load the tokenizer" in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------------------------------------
+# Local counting: offload, robustness, speed (the generated model's tokenizer, no vLLM)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def recording_tokenizer(
+    tiny_tokenizer: ModelTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[int]]:
+    """Thread ids of every ``count_text`` call."""
+    threads: list[int] = []
+    original = tiny_tokenizer.count_text
+
+    def count_text(text: str, *, add_special_tokens: bool) -> int:
+        threads.append(threading.get_ident())
+        return original(text, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(tiny_tokenizer, "count_text", count_text)
+    yield threads
+
+
+async def test_long_prompts_are_counted_off_the_event_loop(
+    tiny_tokenizer: ModelTokenizer, recording_tokenizer: list[int]
+) -> None:
+    counter = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model=None,
+        tokenizer_path=None,
+        tokenizer=tiny_tokenizer,
+        offload_threshold_chars=2000,
+    )
+    try:
+        loop_thread = threading.get_ident()
+        await counter.count("chat", {"messages": [{"role": "user", "content": "short"}]})
+        assert recording_tokenizer == [loop_thread]
+
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticking = asyncio.create_task(ticker())
+        huge = "the cache block " * 40_000  # 640k chars: tens of milliseconds to tokenize
+        count = await counter.count("chat", {"messages": [{"role": "user", "content": huge}]})
+        stop.set()
+        await ticking
+        assert count.method is CountMethod.LOCAL
+        assert recording_tokenizer[-1] != loop_thread
+        assert ticks > 1  # the loop kept running while the worker thread tokenized
+    finally:
+        counter.close()
+
+
+async def test_a_local_count_vllm_disagrees_with_moves_the_endpoint_upstream(
+    tiny_tokenizer: ModelTokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeTokenize()  # counts characters: not what the tokenizer says
+    caplog.set_level(logging.ERROR, logger="sidecar.tokens")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
+        counter = PromptCounter(
+            client=http,
+            upstream="http://vllm:8000",
+            served_model="tiny",
+            tokenizer_path=None,
+            tokenizer=tiny_tokenizer,
+        )
+        first = await counter.count("completions", {"prompt": "hello world"})
+        await counter.wait_checks()
+        second = await counter.count("completions", {"prompt": "hello world"})
+        chat = await counter.count("chat", {"messages": [{"role": "user", "content": "x"}]})
+        counter.close()
+    assert (first.method, first.prompts) == (CountMethod.LOCAL, (3,))
+    assert (second.method, second.prompts) == (CountMethod.UPSTREAM, (11,))
+    assert chat.method is CountMethod.LOCAL  # chat is checked on its own
+    assert counter.mismatched_endpoints == {"completions"}
+    assert any("differs from vLLM's /tokenize" in r.getMessage() for r in caplog.records)
+
+
+async def test_harmony_models_chat_counts_are_flagged(
+    tiny_tokenizer: ModelTokenizer, tmp_path: Path
+) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / name).write_bytes((tiny_tokenizer.path / name).read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    harmony = ModelTokenizer.load(tmp_path)
+    assert harmony.harmony
+    counter = PromptCounter(
+        client=None, upstream=None, served_model=None, tokenizer_path=None, tokenizer=harmony
+    )
+    chat = await counter.count("chat", {"messages": [{"role": "user", "content": "hi"}]})
+    text = await counter.count("completions", {"prompt": "hi"})
+    assert chat.method is CountMethod.ESTIMATE
+    assert text.method is CountMethod.LOCAL
+
+
+async def test_a_local_failure_costs_precision_not_the_request(
+    tiny_tokenizer: ModelTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("template exploded")
+
+    monkeypatch.setattr(tiny_tokenizer, "render_chat", broken)
+    counter = PromptCounter(
+        client=None, upstream=None, served_model=None, tokenizer_path=None, tokenizer=tiny_tokenizer
+    )
+    count = await counter.count("chat", {"messages": [{"role": "user", "content": "hi"}]})
+    assert count.method is CountMethod.ESTIMATE
+
+
+async def test_local_counts_are_fast(tiny_tokenizer: ModelTokenizer) -> None:
+    counter = PromptCounter(
+        client=None, upstream=None, served_model=None, tokenizer_path=None, tokenizer=tiny_tokenizer
+    )
+    short = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello there"},
+        ]
+    }
+    long_text = "The cache block token request model server queue memory budget. " * 230
+    assert 2500 < tiny_tokenizer.count_text(long_text, add_special_tokens=False) < 3500
+    long = {"messages": [{"role": "user", "content": long_text}]}
+    try:
+        for body in (short, long):
+            await counter.count("chat", body)  # warm the template cache and the thread pool
+        timings = {}
+        for name, body in (("short chat", short), ("~3000-token chat", long)):
+            samples = [(await counter.count("chat", body)).seconds for _ in range(20)]
+            timings[name] = sorted(samples)[len(samples) // 2]
+        print(  # shown with -s; the numbers quoted in docs come from here
+            "local count median: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timings.items())
+        )
+        assert timings["short chat"] < 0.05
+        assert timings["~3000-token chat"] < 0.5
+    finally:
+        counter.close()
+
+
+def test_token_count_total() -> None:
+    count = TokenCount((3, 4), CountMethod.UPSTREAM, 0.001)
+    assert count.total == 7
+    assert count.exact
+    assert not TokenCount((1,), CountMethod.ESTIMATE, 0.0).exact
+
+
+async def test_estimates_never_undercount_the_table(tiny_tokenizer: ModelTokenizer) -> None:
+    """The estimator alone (no upstream at all) against the tokenizer, for every shape."""
+    local = PromptCounter(
+        client=None, upstream=None, served_model=None, tokenizer_path=None, tokenizer=tiny_tokenizer
+    )
+    blind = PromptCounter(client=None, upstream=None, served_model=None, tokenizer_path=None)
+    for shape_id, endpoint, body in SHAPES:
+        exact = await local.count(endpoint, body)  # type: ignore[arg-type]
+        estimate = await blind.count(endpoint, body)  # type: ignore[arg-type]
+        assert estimate.method in (CountMethod.ESTIMATE, CountMethod.LOCAL), shape_id
+        for guessed, counted in zip(estimate.prompts, exact.prompts, strict=True):
+            assert guessed >= counted, (shape_id, guessed, counted)
