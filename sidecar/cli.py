@@ -236,5 +236,6 @@ def _serve(argv: list[str]) -> int:
         where = ".".join(str(x) for x in first["loc"]) or "settings"
         print(f"{PROG} serve: error: {where}: {first['msg']}", file=sys.stderr)
         return 2
-    print(f"{PROG} serve: error: the proxy is not built yet ({settings.upstream})", file=sys.stderr)
-    return 2
+    from sidecar.app import run
+
+    return run(settings)

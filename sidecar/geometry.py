@@ -565,3 +565,19 @@ def kv_cache_memory_bytes(
             f" - {weights_gib} GiB of weights = {available:.2f} GiB"
         )
     return math.floor(available * GIB)
+
+
+@dataclass(frozen=True)
+class UniformBlocks:
+    """Block math without a model config: every layer holds every token (full attention).
+
+    Exact in block units for any full-attention model, since vLLM's pool block is then one
+    page of every layer; ``bytes_per_block`` comes from elsewhere (vLLM's reported KV memory over
+    its block count) and may be unknown.
+    """
+
+    block_size: int
+    bytes_per_block: int | None = None
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size) if num_tokens > 0 else 0

@@ -1,0 +1,370 @@
+"""The sidecar's own Prometheus metrics (names and meanings: docs/metrics.md).
+
+Figures that come from state (KV blocks, queue depth, snapshot age) are computed at scrape time
+by :class:`StateCollector`, never set-and-reset; events (decisions, waits, counts) are counters and
+histograms. Everything registers on the registry passed in, so tests use a fresh one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from sidecar.admission import AdmissionController, Decision
+from sidecar.projection import Projection
+from sidecar.tokens import TokenCount
+
+PREFIX = "kv_sidecar"
+COUNT_METHODS = ("exact_local", "exact_upstream", "estimate")
+BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 41, 2))  # 64 KiB .. 1 TiB
+SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+FAST_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
+TOKENS_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+RELATIVE_ERROR_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, -0.01, 0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+@dataclass
+class EngineInfo:
+    """What discovery learned about the engine (labels of the info metric)."""
+
+    model: str = ""
+    block_size: int = 0
+    num_gpu_blocks: int = 0
+    cache_dtype: str = ""
+    prefix_caching: str = ""
+    bytes_per_block: int | None = None  # None: unknown (no model config and no KV memory figure)
+
+
+class Metrics:
+    """Event metrics plus the scrape-time collector, on one registry."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        admission: AdmissionController,
+        *,
+        engine: Callable[[], EngineInfo],
+        vllm_up: Callable[[], bool],
+        ready: Callable[[], bool],
+        scrape_errors: Callable[[], int],
+        config_labels: dict[str, str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Generation requests by gate decision and reason.",
+            ["decision", "reason"],
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            f"{PREFIX}_queue_wait_seconds",
+            "Time queued requests waited for admission or refusal.",
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.retry_after = Histogram(
+            f"{PREFIX}_retry_after_seconds",
+            "Retry-After given with 429 and 503 refusals.",
+            buckets=(1, 2, 3, 5, 10, 15, 20, 30, 45, 60),
+            registry=registry,
+        )
+        self.projected_bytes = Histogram(
+            f"{PREFIX}_request_kv_projected_bytes",
+            "Projected peak KV bytes per request.",
+            buckets=BYTES_BUCKETS,
+            registry=registry,
+        )
+        self.max_tokens = Histogram(
+            f"{PREFIX}_request_max_tokens",
+            "Effective max_tokens per request (after clamping).",
+            buckets=TOKENS_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens",
+            "Prompt tokens counted, by counting method.",
+            ["method"],
+            registry=registry,
+        )
+        self.prompt_counts = Counter(
+            f"{PREFIX}_prompt_counts",
+            "Requests whose prompt was counted, by method.",
+            ["method"],
+            registry=registry,
+        )
+        self.tokenize_seconds = Histogram(
+            f"{PREFIX}_tokenize_seconds",
+            "Time spent counting prompt tokens.",
+            ["method"],
+            buckets=FAST_BUCKETS,
+            registry=registry,
+        )
+        self.decision_seconds = Histogram(
+            f"{PREFIX}_decision_seconds",
+            "Time spent projecting and deciding (no queue wait).",
+            buckets=FAST_BUCKETS,
+            registry=registry,
+        )
+        self.completion_tokens = Counter(
+            f"{PREFIX}_completion_tokens",
+            "Completion tokens seen in answers.",
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            f"{PREFIX}_upstream_errors",
+            "Failures talking to vLLM.",
+            ["kind"],
+            registry=registry,
+        )
+        self.relative_error = Histogram(
+            f"{PREFIX}_kv_prediction_relative_error",
+            "Per scrape of vLLM: (predicted - actual) KV blocks over capacity.",
+            buckets=RELATIVE_ERROR_BUCKETS,
+            registry=registry,
+        )
+        for method in COUNT_METHODS:  # export zeros so rate() works from the start
+            self.prompt_tokens.labels(method)
+            self.prompt_counts.labels(method)
+        self.collector = StateCollector(
+            admission,
+            engine=engine,
+            vllm_up=vllm_up,
+            ready=ready,
+            scrape_errors=scrape_errors,
+            config_labels=config_labels,
+            clock=clock,
+        )
+        registry.register(self.collector)
+
+    def decided(self, decision: Decision) -> None:
+        self.requests.labels(decision.outcome.value, decision.reason).inc()
+        if decision.retry_after is not None:
+            self.retry_after.observe(decision.retry_after)
+
+    def refused(self, reason: str, retry_after: float | None = None) -> None:
+        self.requests.labels("reject", reason).inc()
+        if retry_after is not None:
+            self.retry_after.observe(retry_after)
+
+    def counted(self, count: TokenCount) -> None:
+        method = count.method.value
+        self.prompt_tokens.labels(method).inc(count.total)
+        self.prompt_counts.labels(method).inc()
+        self.tokenize_seconds.labels(method).observe(count.seconds)
+
+    def projected(self, projection: Projection, bytes_per_block: int | None) -> None:
+        for m in projection.max_tokens:
+            self.max_tokens.observe(m)
+        if bytes_per_block is not None:
+            self.projected_bytes.observe(projection.peak_blocks * bytes_per_block)
+
+    def on_snapshot(self) -> None:
+        """Called after each scrape of vLLM: the prediction error histogram and the trend."""
+        self.collector.on_snapshot(self.relative_error)
+
+
+class StateCollector(Collector):
+    """Yields the state gauges at scrape time from the admission controller and the ledger."""
+
+    def __init__(
+        self,
+        admission: AdmissionController,
+        *,
+        engine: Callable[[], EngineInfo],
+        vllm_up: Callable[[], bool],
+        ready: Callable[[], bool],
+        scrape_errors: Callable[[], int],
+        config_labels: dict[str, str],
+        clock: Callable[[], float],
+    ) -> None:
+        self.admission = admission
+        self.engine = engine
+        self.vllm_up = vllm_up
+        self.ready = ready
+        self.scrape_errors = scrape_errors
+        self.config_labels = config_labels
+        self.clock = clock
+        # (time, vLLM used blocks) per scrape, for the growth rate behind the exhaustion forecast
+        self._usage: deque[tuple[float, int]] = deque(maxlen=20)
+        self._preemptions_counter = 0.0
+
+    def on_snapshot(self, relative_error: Histogram) -> None:
+        state = self.admission.state()
+        snap = self.admission.snapshot
+        predicted = state.predicted_at_snapshot_blocks
+        if state.actual_blocks is None or not state.capacity_blocks or snap is None:
+            return
+        if predicted is not None:
+            relative_error.observe((predicted - state.actual_blocks) / state.capacity_blocks)
+        self._usage.append((snap.taken_at, state.actual_blocks))
+
+    def exhaustion_seconds(self, capacity: int, used: int) -> float:
+        """Seconds until vLLM's free blocks run out at the recent growth rate (inf: not growing)."""
+        if len(self._usage) < 2:
+            return math.inf
+        (t0, u0), (t1, u1) = self._usage[0], self._usage[-1]
+        if t1 <= t0 or u1 <= u0:
+            return math.inf
+        rate = (u1 - u0) / (t1 - t0)
+        return max(0.0, (capacity - used) / rate)
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # computed at collect time; skip the registration-time collect
+
+    def collect(self) -> Iterable[Metric]:
+        state = self.admission.state()
+        info = self.engine()
+        bpb = info.bytes_per_block
+        out: list[Metric] = []
+
+        def kv(name: str, doc: str, blocks: int | float | None) -> None:
+            if blocks is None:
+                return
+            out.append(
+                GaugeMetricFamily(f"{PREFIX}_kv_{name}_blocks", f"{doc} (blocks).", value=blocks)
+            )
+            if bpb is not None:
+                out.append(
+                    GaugeMetricFamily(
+                        f"{PREFIX}_kv_{name}_bytes", f"{doc} (bytes).", value=blocks * bpb
+                    )
+                )
+
+        capacity = state.capacity_blocks
+        kv("capacity", "KV cache vLLM can hand out", capacity)
+        kv("reserved", "KV promised to requests in flight", state.reserved_blocks)
+        kv("predicted_used", "KV the ledger predicts vLLM holds now", state.predicted_blocks)
+        kv("actual_used", "KV vLLM reports it holds", state.actual_blocks)
+        if state.actual_blocks is not None and state.predicted_at_snapshot_blocks is not None:
+            # both sides at the instant of the last scrape of vLLM
+            kv(
+                "prediction_error",
+                "Predicted minus actual KV at the last scrape",
+                state.predicted_at_snapshot_blocks - state.actual_blocks,
+            )
+        if state.budget_blocks is not None:
+            kv(
+                "headroom",
+                "KV still promisable",
+                max(0, state.budget_blocks - state.committed_blocks),
+            )
+        if capacity:
+            used = max(state.committed_blocks, state.actual_blocks or 0)
+            out.append(
+                GaugeMetricFamily(
+                    f"{PREFIX}_kv_projected_usage_ratio",
+                    "Projected KV usage 0..1: max(reserved, actual) over capacity (for the "
+                    "endpoint picker).",
+                    value=min(1.0, used / capacity),
+                )
+            )
+            out.append(
+                GaugeMetricFamily(
+                    f"{PREFIX}_oom_risk_ratio",
+                    "Projected peak KV of every request in flight and queued over capacity; "
+                    "above 1 vLLM preempts if they all run to max_tokens.",
+                    value=(
+                        state.peak_blocks_in_flight
+                        + state.peak_blocks_queued
+                        + state.external_blocks
+                    )
+                    / capacity,
+                )
+            )
+            out.append(
+                GaugeMetricFamily(
+                    f"{PREFIX}_kv_exhaustion_seconds",
+                    "Seconds until vLLM's free KV blocks run out at the current growth rate.",
+                    value=self.exhaustion_seconds(capacity, state.actual_blocks or 0),
+                )
+            )
+        out.append(
+            GaugeMetricFamily(
+                f"{PREFIX}_requests_in_flight",
+                "Admitted generation requests not yet finished.",
+                value=state.in_flight,
+            )
+        )
+        out.append(
+            GaugeMetricFamily(
+                f"{PREFIX}_queue_depth",
+                "Requests waiting in the admission queue.",
+                value=state.queue_depth,
+            )
+        )
+        out.append(
+            GaugeMetricFamily(
+                f"{PREFIX}_expected_completion_ratio",
+                "Completion/max_tokens quantile reserved in expected mode (1 = worst case).",
+                value=self.admission.learner.ratio()
+                if self.admission.reservation_mode == "expected"
+                else 1.0,
+            )
+        )
+        out.append(
+            GaugeMetricFamily(
+                f"{PREFIX}_vllm_metrics_age_seconds",
+                "Age of the last good scrape of vLLM's /metrics.",
+                value=state.snapshot_age,
+            )
+        )
+        out.append(
+            GaugeMetricFamily(
+                f"{PREFIX}_vllm_up",
+                "1 when the last scrape of vLLM succeeded.",
+                value=1.0 if self.vllm_up() else 0.0,
+            )
+        )
+        out.append(
+            GaugeMetricFamily(
+                f"{PREFIX}_ready",
+                "1 while /readyz answers 200.",
+                value=1.0 if self.ready() else 0.0,
+            )
+        )
+        out.append(
+            CounterMetricFamily(
+                f"{PREFIX}_vllm_scrape_errors",
+                "Failed scrapes of vLLM's /metrics.",
+                value=self.scrape_errors(),
+            )
+        )
+        out.append(
+            CounterMetricFamily(
+                f"{PREFIX}_vllm_preemptions",
+                "Preemptions vLLM reported since the sidecar started.",
+                value=self.admission.preemptions_seen,
+            )
+        )
+        out.append(
+            InfoMetricFamily(
+                f"{PREFIX}_vllm",
+                "The engine behind the sidecar.",
+                value={
+                    "model": info.model,
+                    "block_size": str(info.block_size),
+                    "num_gpu_blocks": str(info.num_gpu_blocks),
+                    "cache_dtype": info.cache_dtype,
+                    "prefix_caching": info.prefix_caching,
+                },
+            )
+        )
+        out.append(
+            InfoMetricFamily(
+                f"{PREFIX}_config", "The sidecar's admission settings.", value=self.config_labels
+            )
+        )
+        return out

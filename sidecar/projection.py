@@ -1,0 +1,122 @@
+"""KV projection: the tokens, blocks and bytes a request can reach, clamped as vLLM clamps.
+
+Pure functions. ``max_tokens`` absent means the rest of the context; a request for more output
+than ``max_model_len`` or a prompt longer than it gets vLLM's own 400 message, without a round trip.
+
+>>> from sidecar.geometry import UniformBlocks
+>>> p = project_counts((449,), requested_max_tokens=600, n=1, max_model_len=1024,
+...                    blocks=UniformBlocks(128))
+>>> p.max_tokens, p.peak_blocks
+((575,), 8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from sidecar.request import BadRequest, GenerationRequest
+
+
+class BlockMath(Protocol):
+    """What the projection needs from the KV geometry (``KVGeometry`` or ``UniformBlocks``)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    def blocks_for_tokens(self, num_tokens: int) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """One request's KV need. ``n`` sequences per prompt, each up to prompt + max_tokens."""
+
+    prompt_tokens: tuple[int, ...]
+    max_tokens: tuple[int, ...]  # effective, per prompt
+    n: int
+    prompt_blocks: int  # all sequences right after prefill
+    peak_blocks: int  # all sequences at max_tokens
+
+    @property
+    def sequences(self) -> int:
+        return len(self.prompt_tokens) * self.n
+
+    @property
+    def prompt_total(self) -> int:
+        return sum(self.prompt_tokens)
+
+    @property
+    def peak_tokens(self) -> int:
+        return self.n * sum(p + m for p, m in zip(self.prompt_tokens, self.max_tokens, strict=True))
+
+    def blocks_at(self, generated_per_sequence: int, blocks: BlockMath) -> int:
+        """Blocks held when each sequence has generated ``generated_per_sequence`` tokens."""
+        return self.n * sum(
+            blocks.blocks_for_tokens(p + min(generated_per_sequence, m))
+            for p, m in zip(self.prompt_tokens, self.max_tokens, strict=True)
+        )
+
+
+def project_counts(
+    prompt_tokens: tuple[int, ...],
+    *,
+    requested_max_tokens: int | None,
+    n: int,
+    max_model_len: int,
+    blocks: BlockMath,
+    max_tokens_param: str = "max_tokens",
+    truncate_prompt_tokens: int | None = None,
+) -> Projection:
+    """Project a request from its prompt token counts, or raise vLLM's 400 as BadRequest."""
+    if requested_max_tokens is not None and requested_max_tokens > max_model_len:
+        # vLLM: renderers/params.py TokenizeParams.__post_init__
+        raise BadRequest(
+            f"{max_tokens_param}={requested_max_tokens} cannot be greater than "
+            f"max_model_len={max_model_len}. Please request fewer output tokens.",
+            param=max_tokens_param,
+            code="max_tokens_too_large",
+        )
+    counts: list[int] = []
+    effective: list[int] = []
+    for count in prompt_tokens:
+        if truncate_prompt_tokens is not None:
+            count = min(
+                count, max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            )
+        if count > max_model_len:
+            # vLLM: renderers/params.py _token_len_check
+            raise BadRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt contains {count} input tokens, which exceeds this limit even without "
+                f"any output tokens. Please reduce the length of the input prompt.",
+                param="input_tokens",
+                code="context_length_exceeded",
+            )
+        room = max_model_len - count
+        # vLLM: entrypoints/serve/utils/api_utils.get_max_tokens
+        effective.append(room if requested_max_tokens is None else min(room, requested_max_tokens))
+        counts.append(count)
+    prompt_blocks = n * sum(blocks.blocks_for_tokens(c) for c in counts)
+    peak_blocks = n * sum(
+        blocks.blocks_for_tokens(c + m) for c, m in zip(counts, effective, strict=True)
+    )
+    return Projection(tuple(counts), tuple(effective), n, prompt_blocks, peak_blocks)
+
+
+def project(
+    request: GenerationRequest,
+    prompt_tokens: tuple[int, ...],
+    *,
+    max_model_len: int,
+    blocks: BlockMath,
+) -> Projection:
+    """Project a parsed request whose prompts have been counted."""
+    return project_counts(
+        prompt_tokens,
+        requested_max_tokens=request.max_tokens,
+        n=request.n,
+        max_model_len=max_model_len,
+        blocks=blocks,
+        max_tokens_param=request.max_tokens_param,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
+    )

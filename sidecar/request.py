@@ -1,0 +1,258 @@
+"""Generation requests: which paths generate, and parsing and validating their JSON bodies.
+
+The proxy forwards the client's original bytes; this module only reads them to learn what the
+request will cost (prompt, ``max_tokens``, ``n``) and to refuse, with an OpenAI-shaped 4xx, a
+body vLLM would refuse anyway or that the sidecar cannot account for. Unknown fields are ignored
+here and pass through untouched.
+
+>>> r = parse_generation("chat", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}],'
+...                      b' "max_tokens": 8, "stream": true}')
+>>> (r.endpoint, r.max_tokens, r.stream, r.n)
+('chat', 8, True, 1)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Endpoint = Literal["completions", "chat", "responses", "messages"]
+
+#: Paths of vLLM's OpenAI-compatible server that generate, and how their bodies read.
+GENERATION_PATHS: dict[str, Endpoint] = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",  # vLLM's Anthropic-compatible endpoint
+}
+
+MAX_JSON_DEPTH = 64
+MAX_PROMPTS = 1024
+MAX_N = 128
+
+
+class BadRequest(Exception):
+    """A request refused before it reaches vLLM; the proxy maps it to an OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str = "invalid_request",
+        status: int = 400,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What the sidecar needs to know about one generation request."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    model: str | None
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # as requested (None: the rest of the context)
+    max_tokens_param: str
+    n: int
+    truncate_prompt_tokens: int | None
+
+
+def _depth_ok(value: Any, limit: int) -> bool:
+    """Iteratively check nesting depth (recursion could be driven by the client)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return True
+
+
+def _int_field(
+    body: dict[str, Any], key: str, *, minimum: int, maximum: int | None = None
+) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise BadRequest(f"'{key}' must be an integer, got {json.dumps(value)[:40]}", param=key)
+    if value < minimum:
+        raise BadRequest(f"'{key}' must be at least {minimum}, got {value}", param=key)
+    if maximum is not None and value > maximum:
+        raise BadRequest(f"'{key}' must be at most {maximum}, got {value}", param=key)
+    return value
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest(
+            "'prompt' must be a string, a list of strings, or token ids", param="prompt"
+        )
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest(f"'prompt' lists more than {MAX_PROMPTS} prompts", param="prompt")
+    first = prompt[0]
+    if isinstance(first, str):
+        if not all(isinstance(p, str) for p in prompt):
+            raise BadRequest("'prompt' mixes strings and other values", param="prompt")
+    elif isinstance(first, int) and not isinstance(first, bool):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise BadRequest("'prompt' token ids must be non-negative integers", param="prompt")
+    elif isinstance(first, list):
+        for ids in prompt:
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            ):
+                raise BadRequest(
+                    "'prompt' token id lists must be non-empty lists of non-negative integers",
+                    param="prompt",
+                )
+    else:
+        raise BadRequest(
+            "'prompt' must be a string, a list of strings, or token ids", param="prompt"
+        )
+
+
+def _check_messages(messages: Any, *, key: str = "messages") -> None:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(f"'{key}' must be a non-empty list", param=key)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"'{key}[{i}]' must be an object", param=key)
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(f"'{key}[{i}].role' must be a string", param=key)
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise BadRequest(f"'{key}[{i}].content' must be a string or a list", param=key)
+
+
+def parse_generation(endpoint: Endpoint, raw: bytes) -> GenerationRequest:
+    """Parse and validate a generation request body, or raise :class:`BadRequest`."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    if not _depth_ok(body, MAX_JSON_DEPTH):
+        raise BadRequest(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+
+    if endpoint == "completions":
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", param="prompt")
+        _check_prompt(body["prompt"])
+    elif endpoint in ("chat", "messages"):
+        _check_messages(body.get("messages"))
+    else:  # responses
+        inp = body.get("input")
+        if isinstance(inp, list):
+            if not inp:
+                raise BadRequest("'input' must not be empty", param="input")
+        elif not isinstance(inp, str):
+            raise BadRequest("'input' must be a string or a list of items", param="input")
+
+    if endpoint == "responses":
+        param = "max_output_tokens"
+        max_tokens = _int_field(body, param, minimum=1)
+    elif endpoint == "chat" and body.get("max_completion_tokens") is not None:
+        param = "max_completion_tokens"
+        max_tokens = _int_field(body, param, minimum=1)
+    else:
+        param = "max_tokens"
+        max_tokens = _int_field(body, param, minimum=1)
+    if endpoint == "messages" and max_tokens is None:
+        raise BadRequest("'max_tokens' is required", param="max_tokens")
+
+    n = _int_field(body, "n", minimum=1, maximum=MAX_N) or 1
+    truncate = body.get("truncate_prompt_tokens")
+    truncate_prompt_tokens = (
+        _int_field(body, "truncate_prompt_tokens", minimum=-1) if truncate is not None else None
+    )
+    return GenerationRequest(
+        endpoint=endpoint,
+        body=body,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        max_tokens_param=param,
+        n=n,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+    )
+
+
+def counting_view(
+    request: GenerationRequest,
+) -> tuple[Literal["completions", "chat", "responses"], dict[str, Any]]:
+    """The endpoint and body to count prompt tokens with.
+
+    vLLM serves ``/v1/messages`` (Anthropic's shape) by converting it to a chat completion: the
+    top-level ``system`` becomes the first message and tools take OpenAI's function shape.
+    """
+    if request.endpoint != "messages":
+        return request.endpoint, request.body
+    body = request.body
+    messages: list[Any] = []
+    system = body.get("system")
+    if isinstance(system, str):
+        messages.append({"role": "system", "content": system})
+    elif isinstance(system, list):
+        messages.append(
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": b.get("text", "")}
+                    for b in system
+                    if isinstance(b, dict)
+                ],
+            }
+        )
+    messages.extend(body.get("messages") or [])
+    view: dict[str, Any] = {"messages": messages}
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        view["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.get("name"),
+                    "description": t.get("description"),
+                    "parameters": t.get("input_schema"),
+                },
+            }
+            for t in tools
+            if isinstance(t, dict)
+        ]
+    return "chat", view

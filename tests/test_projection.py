@@ -1,0 +1,73 @@
+"""Projection: vLLM's clamp of max_tokens, its 400s, n, several prompts, and hybrid geometry."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.geometry import KVGeometry, ModelKV, UniformBlocks
+from sidecar.projection import project_counts
+from sidecar.request import BadRequest
+
+B128 = UniformBlocks(128)
+
+
+def test_clamped_to_the_rest_of_the_context() -> None:
+    # measured on the real vLLM: prompt 449, max_tokens 600, max_model_len 1024 -> 575 tokens
+    p = project_counts((449,), requested_max_tokens=600, n=1, max_model_len=1024, blocks=B128)
+    assert p.max_tokens == (575,)
+    assert p.peak_blocks == 8 and p.prompt_blocks == 4
+
+
+def test_absent_max_tokens_means_the_rest_of_the_context() -> None:
+    p = project_counts((100,), requested_max_tokens=None, n=1, max_model_len=1024, blocks=B128)
+    assert p.max_tokens == (924,) and p.peak_tokens == 1024
+
+
+def test_n_and_several_prompts_multiply() -> None:
+    p = project_counts((271, 10), requested_max_tokens=700, n=3, max_model_len=1024, blocks=B128)
+    assert p.sequences == 6
+    assert p.peak_blocks == 3 * (8 + 6)
+    assert p.blocks_at(200, B128) == 3 * (4 + 2)
+
+
+def test_vllm_400s() -> None:
+    with pytest.raises(
+        BadRequest, match=r"max_tokens=5000 cannot be greater than max_model_len=1024"
+    ):
+        project_counts((10,), requested_max_tokens=5000, n=1, max_model_len=1024, blocks=B128)
+    with pytest.raises(BadRequest, match="maximum context length is 1024 tokens") as info:
+        project_counts((2000,), requested_max_tokens=5, n=1, max_model_len=1024, blocks=B128)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_truncate_prompt_tokens() -> None:
+    p = project_counts(
+        (2000,),
+        requested_max_tokens=10,
+        n=1,
+        max_model_len=1024,
+        blocks=B128,
+        truncate_prompt_tokens=500,
+    )
+    assert p.prompt_tokens == (500,)
+
+
+def test_sliding_window_model_projects_capped_blocks() -> None:
+    cfg = {
+        "model_type": "mistral",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 256,
+        "sliding_window": 256,
+        "max_position_embeddings": 8192,
+    }
+    geo = KVGeometry.build(
+        ModelKV.from_config(cfg),
+        block_size=16,
+        max_model_len=8192,
+        max_num_batched_tokens=64,
+        max_concurrent_batches=1,
+    )
+    p = project_counts((100,), requested_max_tokens=5000, n=1, max_model_len=8192, blocks=geo)
+    assert p.peak_blocks == (256 - 1 + 64) // 16 + 1 + 1  # cdiv(319, 16) + 1 = 21

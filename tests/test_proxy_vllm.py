@@ -1,0 +1,168 @@
+"""The sidecar in front of the real vLLM: the burst that preempts when sent direct does not
+through the sidecar; refusals carry both retry headers; the openai client retries to completion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from harness.workload import SidecarProcess, burst, make_prompts, vllm_preemptions
+from tests.conftest import VllmInfo
+
+pytestmark = pytest.mark.vllm
+
+BURST = 20
+PROMPT_TOKENS = 271
+MAX_TOKENS = 700
+
+
+@pytest.fixture(scope="module")
+def prompts(vllm: VllmInfo) -> list[str]:
+    assert vllm.model_dir is not None
+    return make_prompts(vllm.model_dir, BURST, PROMPT_TOKENS, seed=7)
+
+
+class Sampler:
+    """Polls the sidecar's /state while a burst runs: predicted vs actual at each scrape."""
+
+    def __init__(self, sidecar: SidecarProcess) -> None:
+        self.sidecar = sidecar
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self.sidecar.state())
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def assert_ledger_empty(sidecar: SidecarProcess) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        state = sidecar.state()
+        if state["reserved_blocks"] == 0 and state["in_flight"] == 0 and state["queue_depth"] == 0:
+            return
+        assert time.monotonic() < deadline, f"ledger not empty: {state}"
+        time.sleep(0.1)
+
+
+def test_direct_burst_preempts(vllm: VllmInfo, prompts: list[str]) -> None:
+    """The premise: 20 x (271 + 700) tokens on 64 blocks of 128 makes vLLM preempt."""
+    before = vllm_preemptions(vllm.url)
+    results = asyncio.run(burst(vllm.url, prompts, max_tokens=MAX_TOKENS))
+    assert [r.status for r in results] == [200] * BURST
+    assert vllm_preemptions(vllm.url) > before
+
+
+@pytest.fixture
+def queue_sidecar(vllm: VllmInfo) -> Iterator[SidecarProcess]:
+    with SidecarProcess(vllm.url, "--policy", "queue", "--max-queue-wait", "600") as sc:
+        yield sc
+        assert_ledger_empty(sc)
+
+
+def test_queue_policy_burst_has_no_preemptions(
+    vllm: VllmInfo, prompts: list[str], queue_sidecar: SidecarProcess
+) -> None:
+    before = vllm_preemptions(vllm.url)
+    with Sampler(queue_sidecar) as sampler:
+        results = asyncio.run(burst(queue_sidecar.url, prompts, max_tokens=MAX_TOKENS))
+    assert [r.status for r in results] == [200] * BURST, [r.error for r in results]
+    assert all(r.completion_tokens == MAX_TOKENS for r in results)
+    assert vllm_preemptions(vllm.url) == before
+
+    # predicted vs actual at each scrape: within one block per request in flight
+    compared = [
+        s
+        for s in sampler.samples
+        if s["predicted_at_snapshot_blocks"] is not None
+        and s["actual_blocks"] is not None
+        and s["in_flight_at_snapshot"] > 0
+    ]
+    assert len(compared) >= 10
+    off = [
+        s
+        for s in compared
+        if abs(s["predicted_at_snapshot_blocks"] - s["actual_blocks"]) > s["in_flight_at_snapshot"]
+    ]
+    assert not off, [
+        (s["predicted_at_snapshot_blocks"], s["actual_blocks"], s["in_flight_at_snapshot"])
+        for s in off
+    ] + [len(compared)]
+    peak = max(s["reserved_blocks"] for s in sampler.samples)
+    assert peak <= vllm.num_gpu_blocks - 1
+
+
+def test_reject_policy_refuses_with_retry_headers(vllm: VllmInfo, prompts: list[str]) -> None:
+    before = vllm_preemptions(vllm.url)
+    with SidecarProcess(vllm.url, "--policy", "reject") as sc:
+        results = asyncio.run(burst(sc.url, prompts, max_tokens=MAX_TOKENS))
+        assert_ledger_empty(sc)
+    statuses = sorted(r.status for r in results)
+    assert set(statuses) == {200, 429}
+    assert statuses.count(200) >= 5
+    for r in results:
+        if r.status == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert int(r.headers["retry-after-ms"]) >= 1
+        else:
+            assert r.completion_tokens == MAX_TOKENS
+    assert vllm_preemptions(vllm.url) == before
+
+
+def test_openai_client_retries_to_completion(vllm: VllmInfo, prompts: list[str]) -> None:
+    """The official client honours retry-after-ms: every request of the over-budget burst ends."""
+    before = vllm_preemptions(vllm.url)
+
+    async def run(url: str) -> list[int]:
+        client = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="unused", max_retries=50, timeout=600
+        )
+
+        async def one(prompt: str) -> int:
+            out = await client.completions.create(
+                model=vllm.served_name,
+                prompt=prompt,
+                max_tokens=300,
+                extra_body={"ignore_eos": True},
+            )
+            assert out.usage is not None
+            return out.usage.completion_tokens
+
+        try:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        finally:
+            await client.close()
+
+    with SidecarProcess(vllm.url, "--policy", "reject") as sc:
+        tokens = asyncio.run(run(sc.url))
+        refused = sum(
+            float(line.split()[-1])
+            for line in sc.metrics().splitlines()
+            if line.startswith(
+                'kv_sidecar_requests_total{decision="reject",reason="kv_cache_full"}'
+            )
+        )
+        assert_ledger_empty(sc)
+    assert tokens == [300] * BURST
+    assert refused > 0  # the burst really was over budget and was retried
+    assert vllm_preemptions(vllm.url) == before
