@@ -1,0 +1,178 @@
+"""The Prometheus alert rules: one source for ``grafana/alerts.yaml`` and the PrometheusRule.
+
+Each alert names its runbook in ``docs/alerts.md`` (the anchor is the alert's name in lower
+case). Sidecar alerts aggregate ``by (namespace, pod)``: one sidecar per vLLM pod, so each alert
+names one pod, and a pod scraped twice does not alert twice.
+
+>>> [rule["alert"] for rule in rule_groups()[0]["rules"]][:2]
+['KVSidecarOOMRiskHigh', 'VLLMPreempting']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from grafana.promql import REFUSED_429_MATCHERS, rate, selector
+
+GROUP = "kv-sidecar"
+
+#: Label matcher selecting the sidecar's own scrape targets in ``up``. The job label cannot tell
+#: them apart: deploy/base/podmonitor.yaml scrapes vLLM's port and the sidecar's metrics port of
+#: each pod under one job (``<namespace>/llm``). Prometheus Operator labels every target with its
+#: container, so select on that; change it if your sidecar container has another name, or match
+#: on ``job`` where the sidecar has a job of its own. KVSidecarVLLMDown covers vLLM.
+SIDECAR_TARGET_MATCHER = 'container="kv-sidecar"'
+
+#: Where the runbooks live; each alert links to ``#<alert name in lower case>``.
+RUNBOOK_BASE_URL = "https://github.com/vllm-kv-sidecar/vllm-kv-sidecar/blob/main/docs/alerts.md"
+
+#: Past this age the sidecar's view of vLLM is stale: 3x the default --metrics-stale-after (5 s)
+#: and 30 of its default scrape intervals (0.5 s), so a slow scrape or two never fires it.
+VLLM_METRICS_STALE_SECONDS = 15
+#: Sustained |predicted - actual| above this share of capacity means a wrong geometry, not noise.
+PREDICTION_ERROR_SHARE = 0.1
+#: Share of generation requests refused with 429 above which capacity is short of demand.
+REJECT_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alerting rule; ``description`` may use ``$labels`` and ``$value`` templates."""
+
+    name: str
+    expr: str
+    for_: str
+    severity: str
+    summary: str
+    description: str
+
+    def rule(self) -> dict[str, Any]:
+        """The rule as Prometheus's rules file spells it."""
+        return {
+            "alert": self.name,
+            "expr": self.expr,
+            "for": self.for_,
+            "labels": {"severity": self.severity},
+            "annotations": {
+                "summary": self.summary,
+                "description": self.description,
+                "runbook_url": f"{RUNBOOK_BASE_URL}#{self.name.lower()}",
+            },
+        }
+
+
+_WHERE = "{{ $labels.namespace }}/{{ $labels.pod }}"
+_UP = selector("up", SIDECAR_TARGET_MATCHER)
+
+ALERTS: tuple[Alert, ...] = (
+    Alert(
+        name="KVSidecarOOMRiskHigh",
+        expr="max by (namespace, pod) (kv_sidecar_oom_risk_ratio) > 1",
+        for_="5m",
+        severity="warning",
+        summary="KV demand in flight and queued exceeds vLLM's KV pool.",
+        description=(
+            f"{_WHERE}: requests in flight and queued would need "
+            "{{ $value | humanizePercentage }} of the KV pool if they all ran to max_tokens, "
+            "for 5 minutes. vLLM preempts if they do."
+        ),
+    ),
+    Alert(
+        name="VLLMPreempting",
+        expr=(
+            f"sum by (namespace, pod, model_name) ({rate('vllm:num_preemptions_total', '5m')}) > 0"
+        ),
+        for_="5m",
+        severity="warning",
+        summary="vLLM is preempting requests: its KV cache runs dry mid-decode.",
+        description=(
+            f"vLLM in {_WHERE} (model {{{{ $labels.model_name }}}}) has been preempting "
+            '{{ printf "%.3g" $value }} requests/s for 5 minutes: it throws their KV away and '
+            "recomputes it, and latency and throughput collapse."
+        ),
+    ),
+    Alert(
+        name="KVSidecarPredictionErrorHigh",
+        expr=(
+            "max by (namespace, pod) "
+            "(abs(avg_over_time(kv_sidecar_kv_prediction_error_bytes[10m])))\n"
+            "/\n"
+            "max by (namespace, pod) (kv_sidecar_kv_capacity_bytes > 0)\n"
+            f"> {PREDICTION_ERROR_SHARE}"
+        ),
+        for_="10m",
+        severity="warning",
+        summary="The sidecar's predicted KV use is far from what vLLM reports.",
+        description=(
+            f"{_WHERE}: predicted minus actual KV averaged "
+            "{{ $value | humanizePercentage }} of capacity over 10 minutes, for 10 minutes. "
+            "The model config or KV geometry the sidecar uses is probably wrong, so its "
+            "admission decisions are too."
+        ),
+    ),
+    Alert(
+        name="KVSidecarVLLMMetricsStale",
+        expr=(
+            "max by (namespace, pod) (kv_sidecar_vllm_metrics_age_seconds) "
+            f"> {VLLM_METRICS_STALE_SECONDS}"
+        ),
+        for_="2m",
+        severity="warning",
+        summary="The sidecar's view of vLLM's KV cache is stale.",
+        description=(
+            f"{_WHERE}: the last good scrape of vLLM's /metrics is "
+            "{{ $value | humanizeDuration }} old. The sidecar decides on its ledger alone "
+            "(--stale-policy open) or refuses with 503 (closed)."
+        ),
+    ),
+    Alert(
+        name="KVSidecarHighRejectRate",
+        expr=(
+            "sum by (namespace, pod) "
+            f"({rate(selector('kv_sidecar_requests_total', *REFUSED_429_MATCHERS), '5m')})\n"
+            "/\n"
+            f"sum by (namespace, pod) ({rate('kv_sidecar_requests_total', '5m')})\n"
+            f"> {REJECT_SHARE}"
+        ),
+        for_="10m",
+        severity="warning",
+        summary="The sidecar refuses many requests with 429: KV capacity is short of demand.",
+        description=(
+            f"{_WHERE}: {{{{ $value | humanizePercentage }}}} of generation requests were "
+            "refused with 429 (kv_cache_full, queue_full, queue_timeout) for 10 minutes."
+        ),
+    ),
+    Alert(
+        name="KVSidecarDown",
+        expr=f"{_UP} == 0\nor\nabsent({_UP})",
+        for_="5m",
+        severity="critical",
+        summary="Prometheus cannot scrape the KV sidecar.",
+        description=(
+            "{{ if $labels.instance }}Prometheus cannot scrape the sidecar at "
+            "{{ $labels.instance }} ("
+            + _WHERE
+            + "){{ else }}No target matching up{"
+            + SIDECAR_TARGET_MATCHER.replace('"', "'")
+            + "} is scraped{{ end }}. Clients of a sidecar that is down get no answer, and its "
+            "admission is unobserved."
+        ),
+    ),
+    Alert(
+        name="KVSidecarVLLMDown",
+        expr="max by (namespace, pod) (kv_sidecar_vllm_up) == 0",
+        for_="2m",
+        severity="critical",
+        summary="The sidecar cannot reach vLLM.",
+        description=(
+            f"{_WHERE}: the sidecar's scrapes of vLLM's /metrics have failed for 2 minutes. "
+            "Generation requests get 503 with Retry-After."
+        ),
+    ),
+)
+
+
+def rule_groups() -> list[dict[str, Any]]:
+    """The ``groups`` of a Prometheus rules file (and of the PrometheusRule's spec)."""
+    return [{"name": GROUP, "rules": [alert.rule() for alert in ALERTS]}]
