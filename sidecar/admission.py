@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from sidecar.ledger import Ledger, Reservation
@@ -34,7 +34,7 @@ MIN_RETRY_AFTER = 1.0
 MAX_RETRY_AFTER = 60.0
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     ADMIT = "admit"
     REJECT = "reject"
     CANCEL = "cancel"
@@ -198,15 +198,52 @@ class AdmissionController:
                 self.learner.tighten()
                 log.warning("vLLM preempted; expected-mode reservations tightened")
         self._estimate_hidden_progress(snap)
-        self._at_snapshot = (self.ledger.predicted_blocks, len(self.ledger))
+        predicted = self._aligned_prediction(snap)
+        self._at_snapshot = (predicted, len(self.ledger))
         used = snap.used_blocks
         if used is not None:
             # vLLM holds more than the ledger explains (requests that bypass the sidecar, or
             # progress the ledger cannot see): count it as committed. One block per request of
             # slack absorbs the ledger's rounding and timing.
             slack = len(self.ledger)
-            self.external_blocks = max(0, used - self.ledger.predicted_blocks - slack)
+            self.external_blocks = max(0, used - predicted - slack)
         self.pump()
+
+    def _aligned_prediction(self, snap: EngineSnapshot) -> int:
+        """The ledger's prediction moved to the instant vLLM's metrics describe.
+
+        The ledger sees a request start when its first token arrives and end when its last
+        chunk has passed, both a little after vLLM allocated or freed its blocks. vLLM's running
+        count, read in the same scrape as its usage, says how many of ours it really holds:
+        surplus started requests are taken as finished (the most advanced first), and a
+        shortfall as admitted requests whose prefill already runs (the oldest first).
+        """
+        predicted = self.ledger.predicted_blocks
+        started = [r for r in self.ledger if r.started]
+        ours = sum(r.projection.sequences for r in started)
+        running = snap.running
+        if running < ours:
+            surplus = ours - running
+            by_progress = sorted(
+                started,
+                key=lambda r: r.generated / max(max(r.projection.max_tokens), 1),
+                reverse=True,
+            )
+            for res in by_progress:
+                if surplus <= 0:
+                    break
+                predicted -= res.predicted_blocks
+                surplus -= res.projection.sequences
+        elif running > ours:
+            shortfall = running - ours
+            for res in sorted(
+                (r for r in self.ledger if not r.started), key=lambda r: r.admitted_at
+            ):
+                if shortfall <= 0:
+                    break
+                predicted += res.projection.prompt_blocks
+                shortfall -= res.projection.sequences
+        return predicted
 
     def _estimate_hidden_progress(self, snap: EngineSnapshot) -> None:
         """Advance non-streamed requests by their share of vLLM's generated tokens.
@@ -299,6 +336,12 @@ class AdmissionController:
                 message="vLLM's metrics are stale; refusing (stale policy closed)",
             )
         budget = self.budget_blocks()
+        if self.policy == "observe":
+            # dry run: account for everything, gate nothing
+            reason = "fits" if not self._queue and self._fits(need) else "observed"
+            return Decision(
+                Outcome.ADMIT, reason, reservation=self._admit(projection, need, streamed)
+            )
         if budget is not None and projection.peak_blocks > budget:
             return Decision(
                 Outcome.REJECT,

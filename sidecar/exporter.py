@@ -274,14 +274,10 @@ class StateCollector(Collector):
             out.append(
                 GaugeMetricFamily(
                     f"{PREFIX}_oom_risk_ratio",
-                    "Projected peak KV of every request in flight and queued over capacity; "
-                    "above 1 vLLM preempts if they all run to max_tokens.",
-                    value=(
-                        state.peak_blocks_in_flight
-                        + state.peak_blocks_queued
-                        + state.external_blocks
-                    )
-                    / capacity,
+                    "Projected peak KV of everything vLLM runs or will run (the sidecar's requests"
+                    " in flight at prompt + max_tokens, plus what vLLM holds for others) over "
+                    "capacity; above 1 vLLM preempts if they all run to max_tokens.",
+                    value=(state.peak_blocks_in_flight + state.external_blocks) / capacity,
                 )
             )
             out.append(
@@ -289,6 +285,15 @@ class StateCollector(Collector):
                     f"{PREFIX}_kv_exhaustion_seconds",
                     "Seconds until vLLM's free KV blocks run out at the current growth rate.",
                     value=self.exhaustion_seconds(capacity, state.actual_blocks or 0),
+                )
+            )
+        if capacity:
+            out.append(
+                GaugeMetricFamily(
+                    f"{PREFIX}_queued_demand_ratio",
+                    "Projected peak KV of the requests waiting in the sidecar's queue over "
+                    "capacity: demand held back, a scale-out signal.",
+                    value=state.peak_blocks_queued / capacity,
                 )
             )
         out.append(

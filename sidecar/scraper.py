@@ -122,15 +122,17 @@ class Scraper:
                 # Not asyncio.wait_for: its extra task, cancelled in the middle of httpx's
                 # connect (anyio 4.16, Python 3.11), can hang for good or leak tasks. A cancel
                 # scope in this same task is what httpx itself is built for.
-                snapshot = await asyncio.wait_for(self._fetch(), self.timeout)
-            except (TimeoutError, asyncio.TimeoutError):
+                with anyio.fail_after(self.timeout):
+                    snapshot = await self._fetch()
+            except TimeoutError:
                 self._failed(f"timeout after {self.timeout:g} s")
                 return None
             except _ScrapeFailed as exc:
                 self._failed(str(exc))
                 return None
             except Exception as exc:  # a bug here must not kill the loop: report it as a failure
-                logger.debug("unexpected scrape failure", exc_info=True)
+                if self._state_logged is not False:  # a traceback once per failure streak
+                    logger.exception("unexpected scrape failure")
                 self._failed(_one_line(f"unexpected error: {type(exc).__name__}: {exc}"))
                 return None
             self._succeeded(snapshot)
@@ -197,7 +199,7 @@ class Scraper:
             if self._down_since is None:
                 logger.info("scraping vLLM metrics at %s", self.metrics_url)
             else:
-                logger.warning(
+                logger.info(
                     "vLLM metrics back after %.1f s down (%s)",
                     self._clock() - self._down_since,
                     self.metrics_url,

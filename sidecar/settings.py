@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Policy = Literal["reject", "queue"]
+Policy = Literal["reject", "queue", "observe"]
 Reservation = Literal["worst-case", "expected"]
 StalePolicy = Literal["open", "closed"]
 
@@ -54,7 +54,8 @@ class Settings(BaseSettings):
     """Context length (default: vLLM's /v1/models)."""
 
     policy: Policy = "queue"
-    """What to do with a request that does not fit now: refuse with 429, or queue it."""
+    """A request that does not fit now: refuse with 429 (reject), wait (queue), or forward it
+    anyway and only measure (observe: a dry run that changes no traffic)."""
     max_queue_wait: float = Field(default=30.0, ge=0)
     """Seconds a request may wait in the queue before it gets 429 queue_timeout."""
     max_queue_depth: int = Field(default=256, ge=0)

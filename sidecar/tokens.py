@@ -96,7 +96,7 @@ ContentFormat = Literal["string", "openai"]
 _T = TypeVar("_T")
 
 
-class CountMethod(str, enum.Enum):
+class CountMethod(enum.StrEnum):
     """How a prompt was counted; the value is the metric label."""
 
     LOCAL = "exact_local"

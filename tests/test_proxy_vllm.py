@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from harness.workload import SidecarProcess, burst, make_prompts, vllm_preemptions
+from harness.workload import SidecarProcess, burst, make_prompts, metric_value, vllm_preemptions
 from tests.conftest import VllmInfo
 
 pytestmark = pytest.mark.vllm
@@ -41,7 +41,11 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.samples.append(self.sidecar.state())
+                sample = self.sidecar.state()
+                text = self.sidecar.metrics()
+                sample["oom_risk_ratio"] = metric_value(text, "kv_sidecar_oom_risk_ratio")
+                sample["error_bytes"] = metric_value(text, "kv_sidecar_kv_prediction_error_bytes")
+                self.samples.append(sample)
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
@@ -110,6 +114,40 @@ def test_queue_policy_burst_has_no_preemptions(
     ] + [len(compared)]
     peak = max(s["reserved_blocks"] for s in sampler.samples)
     assert peak <= vllm.num_gpu_blocks - 1
+    # the exported figures say the same: error within a block per request, no OOM risk
+    # (/state and /metrics are read one after the other and may straddle a scrape: bound each
+    # exported error by the requests in flight at the neighbouring samples' scrapes)
+    block_bytes = 131_072
+    samples = sampler.samples
+    for i, s in enumerate(samples):
+        if s["error_bytes"] is None:
+            continue
+        near = samples[max(0, i - 1) : i + 2]
+        bound = max(n["in_flight_at_snapshot"] for n in near)
+        assert abs(s["error_bytes"]) <= max(bound, 1) * block_bytes, (i, s)
+    risks = [s["oom_risk_ratio"] for s in sampler.samples if s["oom_risk_ratio"] is not None]
+    assert risks and max(risks) <= 1.0
+    assert max(risks) > 0.5  # the burst did fill the budget
+
+
+def test_observe_policy_sees_the_oom_risk_of_the_direct_burst(
+    vllm: VllmInfo, prompts: list[str]
+) -> None:
+    """A dry run (--policy observe) forwards the burst as if direct: vLLM preempts, and the
+    sidecar's OOM risk says so before it happens."""
+    before = vllm_preemptions(vllm.url)
+    with SidecarProcess(vllm.url, "--policy", "observe") as sc:
+        with Sampler(sc) as sampler:
+            results = asyncio.run(burst(sc.url, prompts, max_tokens=MAX_TOKENS))
+        observed = metric_value(
+            sc.metrics(), "kv_sidecar_requests_total", decision="admit", reason="observed"
+        )
+        assert_ledger_empty(sc)
+    assert [r.status for r in results] == [200] * BURST
+    risks = [s["oom_risk_ratio"] for s in sampler.samples if s["oom_risk_ratio"] is not None]
+    assert max(risks) > 1.0
+    assert observed and observed > 0
+    assert vllm_preemptions(vllm.url) > before
 
 
 def test_reject_policy_refuses_with_retry_headers(vllm: VllmInfo, prompts: list[str]) -> None:
