@@ -21,11 +21,11 @@ Anything unusable raises :class:`MetricsParseError` (a one-line message) and not
 Text that is valid but lacks ``vllm:cache_config_info`` still gives a snapshot, with
 ``has_cache_config`` False and the block fields None, so that the caller can fall back.
 
-Cost, measured on the development machine (Python 3.11, prometheus_client 0.26) with the
-under-load fixture (609 lines): prometheus_client on the whole text takes about 17 ms, which a
-scrape every 0.5 s would steal from the event loop. Keeping only the wanted lines (one regex pass,
-about 0.15 ms) and memoising the constant ``cache_config_info`` line brings a scrape to about
-0.15-0.35 ms (about 1.1 ms for the first one).
+Cost, measured on the development machine (2 cores, Python 3.11, prometheus_client 0.26) with
+the under-load fixture (609 lines): prometheus_client on the whole text takes 17-20 ms, which a
+scrape every 0.5 s would steal from the event loop. Keeping only the wanted lines (one regex
+pass, about 0.15 ms) and memoising the constant ``cache_config_info`` line brings a scrape to a
+median of about 0.3 ms with changing values (about 1.1-1.4 ms for the first one).
 
 >>> snap = parse_vllm_metrics(
 ...     'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="101"} 1.0\n'

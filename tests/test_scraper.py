@@ -236,8 +236,11 @@ async def test_non_200_success_statuses_and_errors(
     assert scraper.errors_total == 2
 
 
-async def test_no_scrape_before_the_first_good_one(client: httpx.AsyncClient) -> None:
-    scraper = Scraper(client, "http://127.0.0.1:9/metrics", interval=INTERVAL, timeout=0.5)
+async def test_no_snapshot_before_the_first_good_scrape(
+    server: MetricsServer, client: httpx.AsyncClient
+) -> None:
+    await server.stop()
+    scraper = Scraper(client, server.url, interval=INTERVAL, timeout=0.5)
     assert await scraper.scrape_once() is None
     assert scraper.latest is None
     assert scraper.age() == math.inf
@@ -263,8 +266,10 @@ async def test_snapshots_arrive_at_the_interval(
     async with running(scraper):
         await until(lambda: len(seen) >= 11)
     span = seen[10].taken_at - seen[0].taken_at
-    # never faster than the schedule; later only by what a loaded machine adds
-    assert 10 * INTERVAL - 0.02 <= span <= 10 * INTERVAL + 0.5, span
+    # Never faster than the schedule. Later only by what a loaded machine adds, and that can be
+    # a lot (10 intervals took 1.9 s on a starved 2-core machine), so the upper bound is loose:
+    # the schedule rule itself is checked exactly in test_the_schedule_does_not_drift.
+    assert 10 * INTERVAL - 0.02 <= span <= 10 * INTERVAL * 5, span
     assert all(s.num_gpu_blocks == 64 for s in seen)
     # stop() may have cancelled one attempt in flight: neither a snapshot nor an error
     assert len(seen) <= scraper.scrapes_total <= len(seen) + 1
@@ -293,14 +298,14 @@ async def test_slow_scrapes_do_not_overlap(
     server: MetricsServer, client: httpx.AsyncClient
 ) -> None:
     # Each scrape takes two intervals: the next one must start as soon as it ends.
-    interval = 0.1
+    interval = 0.15
     server.mode, server.delay = "slow", 2 * interval
     scraper = Scraper(client, server.url, interval=interval, timeout=2.0)
     async with running(scraper):
         await until(lambda: len(server.answered) >= 5)
     assert server.max_in_flight == 1
     # measured on the server's side: idle time from one answer to the next request; waiting
-    # out a whole interval after an overrun would show as >= 0.1 s
+    # out a whole interval after an overrun would show as >= 0.15 s
     idle = sorted(
         nxt - done for done, nxt in zip(server.answered, server.arrivals[1:], strict=False)
     )
@@ -344,12 +349,16 @@ async def test_failure_and_recovery_in_the_loop(
         assert scraper.age() < 1
 
     # one line per change of state, not one per failed scrape
-    records = [r for r in caplog.records if r.name == "sidecar.scraper"]
-    warnings = [r for r in records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2, [r.getMessage() for r in warnings]
-    assert "failing" in warnings[0].getMessage() and "HTTP 500" in warnings[0].getMessage()
-    assert "back after" in warnings[1].getMessage()
-    assert sum(r.levelno == logging.INFO for r in records) == 1  # the first good scrape
+    records = [r.getMessage() for r in caplog.records if r.name == "sidecar.scraper"]
+    assert len(records) == 3, records
+    assert records[0].startswith("scraping vLLM metrics at")
+    assert "failing" in records[1] and "HTTP 500" in records[1]
+    assert "back after" in records[2]
+    assert [r.levelno for r in caplog.records if r.name == "sidecar.scraper"] == [
+        logging.INFO,
+        logging.WARNING,
+        logging.INFO,
+    ]
 
 
 async def test_listeners_and_a_raising_one(
@@ -371,8 +380,7 @@ async def test_listeners_and_a_raising_one(
     async with running(scraper):
         await until(lambda: calls.count("healthy") >= 5)
         assert scraper.up
-        task = scraper_tasks()
-        assert len(task) == 1
+        assert len(scraper_tasks()) == 1
 
     # both called every time, in order, and the breakage logged once, with its traceback
     assert calls[:4] == ["broken", "healthy", "broken", "healthy"]
@@ -464,3 +472,13 @@ async def test_stopping_at_any_moment_never_hangs(
         with anyio.fail_after(5):
             await scraper.stop()
         assert scraper_tasks() == []
+
+
+async def test_an_unexpected_error_is_a_failure_not_an_exception(server: MetricsServer) -> None:
+    client = httpx.AsyncClient()
+    await client.aclose()  # e.g. the lifespan closed the client before stopping the scraper
+    scraper = Scraper(client, server.url, interval=INTERVAL)
+    assert await scraper.scrape_once() is None
+    assert scraper.up is False
+    assert scraper.last_error is not None
+    assert scraper.last_error.startswith("unexpected error: RuntimeError"), scraper.last_error
