@@ -118,11 +118,11 @@ async def burst(
     max_tokens: int,
     stream: bool = True,
     ignore_eos: bool = True,
-    timeout: float = 600.0,
+    request_timeout: float = 600.0,
 ) -> list[Result]:
     """Send every prompt at once and wait for all the answers."""
     limits = httpx.Limits(max_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
         return list(
             await asyncio.gather(
                 *(
