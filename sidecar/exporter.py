@@ -28,6 +28,26 @@ from sidecar.tokens import TokenCount
 
 PREFIX = "kv_sidecar"
 COUNT_METHODS = ("exact_local", "exact_upstream", "estimate")
+#: every (decision, reason) the gate can produce (docs/metrics.md), exported from zero
+DECISIONS = (
+    *(("admit", r) for r in ("fits", "queued", "stale_open", "observed")),
+    *(
+        ("reject", r)
+        for r in (
+            "kv_cache_full",
+            "queue_full",
+            "queue_timeout",
+            "too_large",
+            "prompt_too_long",
+            "bad_request",
+            "draining",
+            "upstream_unavailable",
+            "stale_closed",
+        )
+    ),
+    ("cancel", "client_disconnect"),
+)
+UPSTREAM_ERRORS = ("connect", "timeout", "protocol", "status_5xx")
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 41, 2))  # 64 KiB .. 1 TiB
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FAST_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
@@ -135,9 +155,15 @@ class Metrics:
             buckets=RELATIVE_ERROR_BUCKETS,
             registry=registry,
         )
-        for method in COUNT_METHODS:  # export zeros so rate() works from the start
+        # export zeros so that rate() and the dashboard work from the start
+        for method in COUNT_METHODS:
             self.prompt_tokens.labels(method)
             self.prompt_counts.labels(method)
+            self.tokenize_seconds.labels(method)
+        for decision, reason in DECISIONS:
+            self.requests.labels(decision, reason)
+        for kind in UPSTREAM_ERRORS:
+            self.upstream_errors.labels(kind)
         self.collector = StateCollector(
             admission,
             engine=engine,
