@@ -229,7 +229,11 @@ class SidecarProcess:
                 cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **self.env}
             )
         if wait_ready:
-            self.wait_ready(timeout)
+            try:
+                self.wait_ready(timeout)
+            except BaseException:
+                self.stop()  # never leave a process behind a failed start
+                raise
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:

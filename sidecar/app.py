@@ -425,7 +425,11 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
         results = await asyncio.gather(proxy.serve(), ops.serve(), return_exceptions=True)
     finally:
         watcher.cancel()
-        await sidecar.stop()
+        try:
+            async with asyncio.timeout(10):  # exiting must not hang on a stuck upstream
+                await sidecar.stop()
+        except TimeoutError:
+            log.warning("shutdown of the upstream client timed out")
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     failed = [r for r in results if isinstance(r, BaseException)]

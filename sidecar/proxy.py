@@ -106,6 +106,10 @@ class UsageTracker:
         self._tail = window[-_TAIL_BYTES:]
 
 
+class _ClientGone(Exception):
+    """The client disconnected while its request body was being relayed."""
+
+
 class Proxy:
     """The ASGI app of the proxy port."""
 
@@ -114,6 +118,7 @@ class Proxy:
         base = httpx.URL(sidecar.settings.upstream)
         self._base = base
         self._base_path = base.raw_path.rstrip(b"/")
+        self._base_prefix = base.path.rstrip("/")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -128,7 +133,12 @@ class Proxy:
                 send, *errors.plain(400, "request target must be a path", code="invalid_target")
             )
             return
-        endpoint = GENERATION_PATHS.get(scope["path"]) if scope["method"] == "POST" else None
+        endpoint = None
+        if scope["method"] == "POST":
+            # classify on the path vLLM will route, after the URL's dot segments are resolved
+            # (else "/x/../v1/completions" would pass as a non-generating request)
+            upstream_path = self._url(raw_path, b"").path[len(self._base_prefix) :]
+            endpoint = GENERATION_PATHS.get(upstream_path)
         if endpoint is None:
             await self._passthrough(scope, receive, send, raw_path)
         else:
@@ -269,7 +279,9 @@ class Proxy:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     disconnected.set()
-                    return
+                    # abort the upstream request: ending the body here would hand vLLM a
+                    # truncated body that looks complete
+                    raise _ClientGone
                 chunk = message.get("body", b"")
                 if chunk:
                     yield chunk
@@ -291,6 +303,8 @@ class Proxy:
                 response = await self._send_upstream(
                     scope["method"], self._url(raw_path, scope["query_string"]), headers, content
                 )
+            except _ClientGone:
+                return
             except httpx.TimeoutException:
                 self.sc.metrics.upstream_errors.labels("timeout").inc()
                 await self._respond(
@@ -415,10 +429,23 @@ class Proxy:
     ) -> None:
         sc = self.sc
         headers = forward_headers(scope["headers"], drop=frozenset({b"host", b"content-length"}))
+        # A non-streamed answer's headers come only when vLLM has finished: watch the client
+        # meanwhile, and cancel (vLLM then aborts the generation) if it leaves.
+        sending = asyncio.ensure_future(
+            self._send_upstream("POST", self._url(raw_path, scope["query_string"]), headers, raw)
+        )
+        gone = asyncio.ensure_future(disconnected.wait())
         try:
-            response = await self._send_upstream(
-                "POST", self._url(raw_path, scope["query_string"]), headers, raw
-            )
+            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not sending.done():
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await sending
+            return
+        try:
+            response = sending.result()
         except httpx.TimeoutException:
             sc.metrics.upstream_errors.labels("timeout").inc()
             await self._respond(

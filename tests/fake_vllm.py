@@ -1,0 +1,655 @@
+"""A fake vLLM for fast tests: vLLM 0.32's wire formats, plus knobs and a request log.
+
+The shapes are copied from what a real vLLM 0.32 (CPU build) answered, in
+``tests/fixtures/vllm-0.32.0-cpu/``: ``/v1/models``, ``/metrics`` (the captured text with the
+values the sidecar reads swapped in), ``/tokenize``, and completions and chat completions, plain
+JSON or SSE. Token counts are a deterministic function of the text (:func:`count_prompt`), not a
+real tokenizer. Extra routes exercise the proxy's pass-through: ``/echo/...``, ``/slow``,
+``/status/{code}`` and ``/gzip``.
+
+It is a pure ASGI app (:class:`FakeVllm`) served by uvicorn on a loopback port in a thread
+(:class:`FakeServer`), so both sync and async tests can use it and can stop it under a running
+sidecar. Knobs are plain attributes, read on each request; the log and counters are written by the
+server thread only.
+
+>>> fake = FakeVllm(model_root=write_model_dir(tmp_path / "tiny"))
+>>> with FakeServer(fake) as server:
+...     fake.kv_cache_usage = 0.9
+...     httpx.get(server.url + "/metrics").text  # the fixture text, with usage 0.9
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import hashlib
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import parse_qs
+
+import uvicorn
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm-0.32.0-cpu"
+METRICS_TEXT = (FIXTURES / "metrics-fresh.txt").read_text()
+
+#: A model config vLLM could serve: 2 layers, 2 KV heads, head_dim 64, bf16 (1 KiB per token).
+TINY_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_size": 256,
+    "max_position_embeddings": 1024,
+    "torch_dtype": "bfloat16",
+}
+CREATED = 1795939723  # vLLM stamps "created"; fixed here so that answers are reproducible
+FINGERPRINT = "vllm-0.32.0-3470f119"
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: What ``GET /gzip`` answers, with ``Content-Encoding: gzip``.
+GZIP_BODY = gzip.compress(b"vLLM says hello, compressed. " * 64, mtime=0)
+
+MetricsMode = Literal["ok", "error", "garbage", "hang", "no_cache_config"]
+
+
+def write_model_dir(path: Path) -> Path:
+    """A model directory holding only ``config.json`` (no tokenizer files)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
+    return path
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def count_prompt(body: dict[str, Any]) -> int:
+    """The fake tokenizer: words + 1 BOS for a prompt; 3 per message plus its words, + 2 for
+    the generation prompt, for messages. Token-id prompts count as given."""
+    if "messages" in body:
+        return 2 + sum(3 + _words(_message_text(m.get("content"))) for m in body["messages"])
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        if prompt and isinstance(prompt[0], int):
+            return len(prompt)
+        return sum(count_prompt({**body, "prompt": p}) for p in prompt)
+    bos = 1 if body.get("add_special_tokens", True) else 0
+    return _words(str(prompt)) + bos
+
+
+def _dumps(obj: Any) -> bytes:
+    # vLLM answers with pydantic's compact JSON, non-ASCII left as is
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def vllm_error(message: str, status: int = 400, type_: str = "BadRequestError") -> bytes:
+    return _dumps({"error": {"message": message, "type": type_, "param": None, "code": status}})
+
+
+@dataclass
+class Recorded:
+    """One request the fake received."""
+
+    method: str
+    path: str
+    raw_path: bytes
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    complete: bool = True  # False: the client went away before the end of the body
+    at: float = field(default_factory=time.monotonic)
+
+    def header(self, name: str) -> str | None:
+        key = name.lower().encode()
+        values = [v.decode("latin-1") for k, v in self.headers if k == key]
+        return ", ".join(values) if values else None
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class FakeVllm:
+    """The ASGI app, its knobs and what it saw."""
+
+    def __init__(
+        self,
+        *,
+        model_root: Path | None,
+        served_name: str = "tiny",
+        max_model_len: int = 1024,
+    ) -> None:
+        self.model_root = model_root
+        self.served_name = served_name
+        self.max_model_len = max_model_len
+        # knobs
+        self.kv_cache_usage = 0.0
+        self.running = 0
+        self.waiting = 0
+        self.preemptions_total = 0.0
+        self.generation_tokens_total = 0.0
+        self.num_gpu_blocks = 64
+        self.block_size = 128
+        self.metrics_mode: MetricsMode = "ok"
+        self.token_delay = 0.0  # seconds per generated token
+        self.fail_after: int | None = None  # generations crash after this many tokens
+        # what it saw
+        self.requests: list[Recorded] = []
+        self.in_flight = 0  # generations (and /slow streams) running now
+        self.aborted = 0  # requests and generations ended by the client going away
+        self.completed = 0
+        self.first_body_chunk_at: float | None = None  # of the latest /echo upload
+        self.closing = False
+
+    # --- what tests read ------------------------------------------------------------------
+
+    def requests_to(self, path: str, method: str | None = None) -> list[Recorded]:
+        return [
+            r
+            for r in list(self.requests)
+            if r.path == path and (method is None or r.method == method)
+        ]
+
+    def generations(self) -> list[Recorded]:
+        return [r for r in list(self.requests) if r.path in GENERATION_PATHS]
+
+    def non_probe_requests(self) -> list[Recorded]:
+        """Requests other than the sidecar's own scrapes, discovery and token counting."""
+        probes = ("/metrics", "/v1/models", "/tokenize")
+        return [r for r in list(self.requests) if r.path not in probes]
+
+    # --- rendering ----------------------------------------------------------------------
+
+    def metrics_text(self) -> str:
+        text = METRICS_TEXT
+        for name, value in (
+            ("vllm:kv_cache_usage_perc", self.kv_cache_usage),
+            ("vllm:num_requests_running", float(self.running)),
+            ("vllm:num_requests_waiting", float(self.waiting)),
+            ("vllm:num_preemptions_total", float(self.preemptions_total)),
+            ("vllm:generation_tokens_total", float(self.generation_tokens_total)),
+        ):
+            pattern = rf"^({re.escape(name)}\{{[^}}]*\}}) \S+$"
+            text = re.sub(pattern, rf"\g<1> {value!r}", text, flags=re.M)
+        text = re.sub(
+            r'(?<=[{,])num_gpu_blocks="\d+"', f'num_gpu_blocks="{self.num_gpu_blocks}"', text
+        )
+        text = re.sub(r'(?<=[{,])block_size="\d+"', f'block_size="{self.block_size}"', text)
+        if self.metrics_mode == "no_cache_config":
+            text = "".join(
+                line for line in text.splitlines(True) if "vllm:cache_config_info" not in line
+            )
+        return text
+
+    def models(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "id": self.served_name,
+            "object": "model",
+            "created": CREATED,
+            "owned_by": "vllm",
+        }
+        if self.model_root is not None:
+            entry["root"] = str(self.model_root)
+        entry |= {
+            "parent": None,
+            "max_model_len": self.max_model_len,
+            "permission": [
+                {
+                    "id": "modelperm-b0903443d43eb746",
+                    "object": "model_permission",
+                    "created": CREATED,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+        return {"object": "list", "data": [entry]}
+
+    # --- ASGI ---------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        body, complete = await self._read_body(receive, record_first_chunk=path.startswith("/echo"))
+        rec = Recorded(
+            scope["method"],
+            path,
+            scope.get("raw_path") or path.encode(),
+            scope["query_string"],
+            list(scope["headers"]),
+            body,
+            complete,
+        )
+        self.requests.append(rec)
+        if not complete:  # a server never acts on half a request
+            self.aborted += 1
+            return
+        query = {k: v[-1] for k, v in parse_qs(rec.query.decode("latin-1")).items()}
+        method = rec.method
+        if path == "/metrics" and method == "GET":
+            await self._metrics(send)
+        elif path == "/v1/models" and method == "GET":
+            await respond(send, 200, _dumps(self.models()))
+        elif path == "/health" and method == "GET":
+            await respond(send, 200, b"", content_type=None)
+        elif path == "/tokenize" and method == "POST":
+            await self._tokenize(send, rec)
+        elif path in GENERATION_PATHS and method == "POST":
+            await self._generate(receive, send, rec)
+        elif path.startswith("/echo"):
+            await self._echo(send, rec)
+        elif path == "/slow":
+            await self._slow(receive, send, query)
+        elif path.startswith("/status/"):
+            await self._status(send, int(path.rsplit("/", 1)[1]), method)
+        elif path == "/gzip":
+            await self._gzip(send)
+        else:
+            await respond(send, 404, _dumps({"detail": "Not Found"}))
+
+    async def _read_body(self, receive: Receive, *, record_first_chunk: bool) -> tuple[bytes, bool]:
+        """The request body, and whether it arrived whole."""
+        chunks: list[bytes] = []
+        first = True
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"".join(chunks), False
+            chunk = message.get("body", b"")
+            if chunk and first and record_first_chunk:
+                self.first_body_chunk_at = time.monotonic()
+                first = False
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), True
+
+    async def _metrics(self, send: Send) -> None:
+        mode = self.metrics_mode
+        if mode == "error":
+            await respond(send, 500, b"Internal Server Error", content_type=b"text/plain")
+            return
+        if mode == "garbage":
+            await respond(send, 200, b"<html>not metrics</html>\x00{{", content_type=b"text/html")
+            return
+        # polled: the knob is set from the test's thread, which cannot set an asyncio.Event here
+        while self.metrics_mode == "hang" and not self.closing:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        ctype = b"text/plain; version=0.0.4; charset=utf-8"
+        await respond(send, 200, self.metrics_text().encode(), content_type=ctype)
+
+    async def _tokenize(self, send: Send, rec: Recorded) -> None:
+        try:
+            body = rec.json()
+            count = count_prompt(body)
+        except (ValueError, TypeError, AttributeError) as exc:
+            await respond(send, 400, vllm_error(f"bad /tokenize body: {exc}"))
+            return
+        answer = {
+            "count": count,
+            "max_model_len": self.max_model_len,
+            "tokens": list(range(count)),
+            "token_strs": None,
+        }
+        await respond(send, 200, _dumps(answer))
+
+    async def _echo(self, send: Send, rec: Recorded) -> None:
+        answer = {
+            "method": rec.method,
+            "path": rec.path,
+            "raw_path": rec.raw_path.decode("latin-1"),
+            "query": rec.query.decode("latin-1"),
+            "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in rec.headers],
+            "body": rec.body.decode("latin-1") if len(rec.body) <= 65536 else None,
+            "body_len": len(rec.body),
+            "body_sha256": hashlib.sha256(rec.body).hexdigest(),
+        }
+        await respond(send, 200, _dumps(answer))
+
+    async def _status(self, send: Send, status: int, method: str) -> None:
+        headers = [
+            (b"x-end-to-end", b"kept"),
+            (b"set-cookie", b"a=1"),
+            (b"set-cookie", b"b=2"),
+            (b"connection", b"x-custom"),
+            (b"x-custom", b"hop-by-hop, named by Connection"),
+            (b"keep-alive", b"timeout=5, max=100"),
+            (b"proxy-authenticate", b"Basic"),
+            (b"trailer", b"x-checksum"),
+            (b"upgrade", b"h2c"),
+        ]
+        if status in (301, 302, 307, 308):
+            headers.append((b"location", b"http://elsewhere.invalid/moved"))
+        body = b"" if status in (204, 304) or method == "HEAD" else f"status {status}\n".encode()
+        await respond(send, status, body, content_type=b"text/plain", headers=headers)
+
+    async def _gzip(self, send: Send) -> None:
+        await respond(
+            send,
+            200,
+            GZIP_BODY,
+            content_type=b"text/plain",
+            headers=[(b"content-encoding", b"gzip"), (b"vary", b"Accept-Encoding")],
+        )
+
+    async def _slow(self, receive: Receive, send: Send, query: dict[str, str]) -> None:
+        chunks = int(query.get("chunks", "5"))
+        delay = float(query.get("delay", "0.1"))
+        size = int(query.get("size", "1024"))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/octet-stream")],
+            }
+        )
+
+        async def body() -> None:
+            for i in range(chunks):
+                if i:
+                    await asyncio.sleep(delay)
+                piece = bytes([65 + i % 26]) * size
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self._run_watched(receive, body())
+
+    async def _run_watched(self, receive: Receive, work: Awaitable[None]) -> None:
+        """Run ``work`` until it ends or the client disconnects (counted in ``aborted``).
+
+        uvicorn's ``send`` ignores writes after a disconnect, so only ``receive`` tells.
+        """
+
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        self.in_flight += 1
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()
+                self.completed += 1
+            else:
+                self.aborted += 1
+        finally:
+            for t in (task, watch):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            self.in_flight -= 1
+
+    # --- generation ---------------------------------------------------------------------
+
+    async def _generate(self, receive: Receive, send: Send, rec: Recorded) -> None:
+        chat = rec.path == "/v1/chat/completions"
+        try:
+            body = rec.json()
+            prompt_tokens = count_prompt(body)
+            max_tokens = body.get("max_completion_tokens") if chat else None
+            max_tokens = max_tokens or body.get("max_tokens")
+        except (ValueError, TypeError, AttributeError) as exc:
+            await respond(send, 400, vllm_error(f"bad request: {exc}"))
+            return
+        model = body.get("model")
+        if model is not None and model != self.served_name:
+            message = f"The model `{model}` does not exist."
+            await respond(send, 404, vllm_error(message, 404, "NotFoundError"))
+            return
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            message = (
+                f"max_tokens={max_tokens} cannot be greater than max_model_len="
+                f"{self.max_model_len}. Please request fewer output tokens."
+            )
+            await respond(send, 400, vllm_error(message))
+            return
+        room = self.max_model_len - prompt_tokens
+        tokens = room if max_tokens is None else min(room, max_tokens)
+        if isinstance(body.get("fake_len"), int):
+            tokens = min(tokens, body["fake_len"])
+        n = int(body.get("n") or 1)
+        rid = ("chatcmpl-" if chat else "cmpl-") + hashlib.sha256(rec.body).hexdigest()[:16]
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + n * tokens,
+            "completion_tokens": n * tokens,
+        }
+        if body.get("stream"):
+            options = body.get("stream_options") or {}
+            work = self._stream(
+                send, chat, rid, tokens, n, usage if options.get("include_usage") else None
+            )
+        else:
+            work = self._answer(send, chat, rid, tokens, n, usage)
+        await self._run_watched(receive, work)
+
+    async def _decode(self, step: int) -> str:
+        if self.token_delay:
+            await asyncio.sleep(self.token_delay)
+        if step == self.fail_after:
+            # uvicorn drops the connection of an app that raises, as a crashed vLLM would
+            raise RuntimeError("injected engine failure")
+        self.generation_tokens_total += 1
+        return f" w{step}"
+
+    async def _answer(
+        self, send: Send, chat: bool, rid: str, tokens: int, n: int, usage: dict[str, int]
+    ) -> None:
+        text = "".join([await self._decode(i) for i in range(tokens)])
+        choices: list[dict[str, Any]]
+        if chat:
+            choices = [
+                {
+                    "index": i,
+                    "message": {
+                        "role": "assistant",
+                        "content": text,
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "tool_calls": [],
+                        "reasoning_content": None,
+                    },
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "token_ids": None,
+                }
+                for i in range(n)
+            ]
+            answer: dict[str, Any] = {"id": rid, "object": "chat.completion"}
+        else:
+            choices = [
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "token_ids": None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": None,
+                }
+                for i in range(n)
+            ]
+            answer = {"id": rid, "object": "text_completion"}
+        answer |= {
+            "created": CREATED,
+            "model": self.served_name,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": FINGERPRINT,
+            "usage": {**usage, "prompt_tokens_details": None},
+            "kv_transfer_params": None,
+        }
+        await respond(send, 200, _dumps(answer))
+
+    async def _stream(
+        self, send: Send, chat: bool, rid: str, tokens: int, n: int, usage: dict[str, int] | None
+    ) -> None:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": obj, "created": CREATED, "model": self.served_name}
+
+        async def event(payload: dict[str, Any]) -> None:
+            data = b"data: " + _dumps(payload) + b"\n\n"
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+            }
+        )
+        if chat:  # vLLM opens a chat stream with the role, before any token
+            for i in range(n):
+                delta = {"role": "assistant", "content": ""}
+                opening = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                await event(
+                    {**head, "choices": [opening], "prompt_token_ids": None, "prompt_text": None}
+                )
+        for step in range(tokens):
+            text = await self._decode(step)
+            last = step == tokens - 1
+            for i in range(n):
+                choice: dict[str, Any] = {"index": i}
+                if chat:
+                    choice["delta"] = {"content": text}
+                else:
+                    choice["text"] = text
+                choice |= {"logprobs": None, "finish_reason": "length" if last else None}
+                if last or not chat:
+                    choice["stop_reason"] = None
+                choice["token_ids"] = None
+                await event({**head, "choices": [choice]})
+        if usage is not None:
+            await event({**head, "choices": [], "usage": usage, "system_fingerprint": FINGERPRINT})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    *,
+    content_type: bytes | None = b"application/json",
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    all_headers = [(b"content-type", content_type)] if content_type is not None else []
+    all_headers += headers or []
+    if status not in (204, 304):
+        all_headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": all_headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def bound_socket(port: int = 0) -> socket.socket:
+    """A listening-ready TCP socket on loopback (``port`` 0: a free one)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
+class FakeServer:
+    """Serves a :class:`FakeVllm` with uvicorn in a thread; restartable on the same port.
+
+    ``app`` may be replaced while it runs (a fresh fake per test on a server kept for several):
+    new requests go to the new one, those in progress finish with the old one.
+    """
+
+    def __init__(self, app: FakeVllm, port: int = 0) -> None:
+        self.app = app
+        self._sock: socket.socket | None = bound_socket(port)
+        self.port: int = self._sock.getsockname()[1]
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> FakeServer:
+        if self._server is not None:
+            return self
+        if self._sock is None:
+            self._sock = bound_socket(self.port)
+        config = uvicorn.Config(
+            self._dispatch,
+            interface="asgi3",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+        )
+        server = uvicorn.Server(config)
+        sock = self._sock
+        self.app.closing = False
+        self._thread = threading.Thread(
+            target=server.run,
+            kwargs={"sockets": [sock]},
+            name=f"fake-vllm-{self.port}",
+            daemon=True,
+        )
+        self._server = server
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the fake vLLM did not start")
+            time.sleep(0.005)
+        return self
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+    def stop(self) -> None:
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None or thread is None:
+            return
+        self.app.closing = True
+        server.should_exit = True
+        thread.join(10)
+        with contextlib.suppress(OSError):
+            if self._sock is not None:
+                self._sock.close()
+        self._sock = None  # a later start binds the same port again
+
+    def __enter__(self) -> FakeServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
