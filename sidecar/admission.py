@@ -286,6 +286,13 @@ class AdmissionController:
 
     def need_blocks(self, projection: Projection) -> int:
         """Blocks to reserve for a request under the configured reservation mode."""
+        need = self._need_blocks(projection)
+        budget = self.budget_blocks()
+        if not projection.exact and budget is not None:
+            need = min(need, budget)  # an over-estimate must not make a request unrunnable
+        return need
+
+    def _need_blocks(self, projection: Projection) -> int:
         if self.reservation_mode == "worst-case":
             return projection.peak_blocks
         ratio = self.learner.ratio()
@@ -342,7 +349,7 @@ class AdmissionController:
             return Decision(
                 Outcome.ADMIT, reason, reservation=self._admit(projection, need, streamed)
             )
-        if budget is not None and projection.peak_blocks > budget:
+        if budget is not None and projection.exact and projection.peak_blocks > budget:
             return Decision(
                 Outcome.REJECT,
                 "too_large",

@@ -87,7 +87,11 @@ class Ledger:
         res = Reservation(
             id=self._next_id,
             projection=projection,
-            reserved_blocks=max(reserved_blocks, projection.prompt_blocks),
+            reserved_blocks=(
+                max(reserved_blocks, projection.prompt_blocks)
+                if projection.exact
+                else reserved_blocks
+            ),
             predicted_blocks=0,
             streamed=streamed,
             admitted_at=self._clock(),

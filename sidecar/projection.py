@@ -36,6 +36,7 @@ class Projection:
     n: int
     prompt_blocks: int  # all sequences right after prefill
     peak_blocks: int  # all sequences at max_tokens
+    exact: bool = True  # False: the prompt counts are upper-bound estimates
 
     @property
     def sequences(self) -> int:
@@ -66,8 +67,13 @@ def project_counts(
     blocks: BlockMath,
     max_tokens_param: str = "max_tokens",
     truncate_prompt_tokens: int | None = None,
+    exact: bool = True,
 ) -> Projection:
-    """Project a request from its prompt token counts, or raise vLLM's 400 as BadRequest."""
+    """Project a request from its prompt token counts, or raise vLLM's 400 as BadRequest.
+
+    With ``exact=False`` the counts are upper bounds: they are capped at the context instead of
+    refused, since only vLLM can tell whether the prompt really is too long.
+    """
     if requested_max_tokens is not None and requested_max_tokens > max_model_len:
         # vLLM: renderers/params.py TokenizeParams.__post_init__
         raise BadRequest(
@@ -83,6 +89,8 @@ def project_counts(
             count = min(
                 count, max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             )
+        if not exact:
+            count = min(count, max_model_len - 1)
         if count > max_model_len:
             # vLLM: renderers/params.py _token_len_check
             raise BadRequest(
@@ -100,7 +108,7 @@ def project_counts(
     peak_blocks = n * sum(
         blocks.blocks_for_tokens(c + m) for c, m in zip(counts, effective, strict=True)
     )
-    return Projection(tuple(counts), tuple(effective), n, prompt_blocks, peak_blocks)
+    return Projection(tuple(counts), tuple(effective), n, prompt_blocks, peak_blocks, exact)
 
 
 def project(
@@ -109,10 +117,12 @@ def project(
     *,
     max_model_len: int,
     blocks: BlockMath,
+    exact: bool = True,
 ) -> Projection:
     """Project a parsed request whose prompts have been counted."""
     return project_counts(
         prompt_tokens,
+        exact=exact,
         requested_max_tokens=request.max_tokens,
         n=request.n,
         max_model_len=max_model_len,

@@ -372,7 +372,11 @@ class Proxy:
                 sc.metrics.counted(count)
                 t1 = time.perf_counter()
                 projection = project(
-                    request, count.prompts, max_model_len=sc.max_model_len, blocks=sc.blocks
+                    request,
+                    count.prompts,
+                    max_model_len=sc.max_model_len,
+                    blocks=sc.blocks,
+                    exact=count.exact,
                 )
             except (BadRequest, PromptError) as exc:
                 bad = exc if isinstance(exc, BadRequest) else BadRequest(str(exc), param="prompt")

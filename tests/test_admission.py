@@ -254,3 +254,15 @@ def test_learner_quantile_boost_and_expected_need() -> None:
     ac.on_snapshot(snapshot(clock, preemptions=3))
     assert ac.preemptions_seen == 3
     assert ac.need_blocks(proj()) > 3  # tightened after vLLM preempted
+
+
+def test_an_estimate_never_makes_a_request_unrunnable() -> None:
+    clock = Clock()
+    ac = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.9)
+    ac.on_snapshot(snapshot(clock))  # budget 6 blocks
+    estimated = project_counts(
+        (900,), requested_max_tokens=100, n=1, max_model_len=1024, blocks=BLOCKS, exact=False
+    )
+    d = ac.try_admit(estimated, streamed=True)
+    assert d is not None and d.admitted and d.reservation is not None
+    assert d.reservation.reserved_blocks == 6  # the whole budget, not 8

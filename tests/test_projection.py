@@ -71,3 +71,11 @@ def test_sliding_window_model_projects_capped_blocks() -> None:
     )
     p = project_counts((100,), requested_max_tokens=5000, n=1, max_model_len=8192, blocks=geo)
     assert p.peak_blocks == (256 - 1 + 64) // 16 + 1 + 1  # cdiv(319, 16) + 1 = 21
+
+
+def test_estimated_counts_are_capped_not_refused() -> None:
+    # an upper-bound estimate of 5000 tokens: only vLLM can say whether it is too long
+    p = project_counts(
+        (5000,), requested_max_tokens=100, n=1, max_model_len=1024, blocks=B128, exact=False
+    )
+    assert p.prompt_tokens == (1023,) and p.max_tokens == (1,) and not p.exact
