@@ -71,9 +71,9 @@ ALERTS: tuple[Alert, ...] = (
         expr="max by (namespace, pod) (kv_sidecar_oom_risk_ratio) > 1",
         for_="5m",
         severity="warning",
-        summary="KV demand in flight and queued exceeds vLLM's KV pool.",
+        summary="KV demand of what vLLM runs exceeds its KV pool.",
         description=(
-            f"{_WHERE}: requests in flight and queued would need "
+            f"{_WHERE}: requests in flight (and traffic that bypasses the sidecar) would need "
             "{{ $value | humanizePercentage }} of the KV pool if they all ran to max_tokens, "
             "for 5 minutes. vLLM preempts if they do."
         ),

@@ -46,7 +46,7 @@ VLLM_MATCHERS: tuple[str, ...] = (*SIDECAR_MATCHERS, 'model_name=~"$model"')
 RATE_WINDOW = "$__rate_interval"
 REF_IDS = "ABCDEFGH"
 
-#: Above this share of the KV pool the worst case of what is admitted and queued no longer fits.
+#: Above this share of the KV pool the worst case of what vLLM runs is close to not fitting.
 OOM_RISK_WARN = 0.8
 #: ``kv_sidecar_kv_exhaustion_seconds`` is +Inf while nothing grows: capped to keep the axis usable.
 EXHAUSTION_CAP_SECONDS = 3600
@@ -284,8 +284,9 @@ def _verdict_row() -> list[PanelBuilder]:
         ),
         stat_panel(
             "OOM risk ratio (max)",
-            "Worst pod: projected peak KV of everything in flight and queued over capacity. "
-            "Above 1, vLLM preempts if all of it runs to max_tokens.",
+            "Worst pod: projected peak KV of everything vLLM runs or will run (the sidecar's "
+            "requests in flight, plus traffic that bypasses it) over capacity. Above 1, vLLM "
+            "preempts if all of it runs to max_tokens.",
             "percentunit",
             Query(OOM_RISK_MAX, "OOM risk"),
             [Step(None, "green"), Step(OOM_RISK_WARN, "orange"), Step(1, "red")],
@@ -442,10 +443,17 @@ def _risk_row() -> list[PanelBuilder]:
         ),
         timeseries_panel(
             "OOM risk ratio",
-            "Projected peak KV (prompt + max_tokens) of everything in flight and queued over "
-            "capacity. Above the dashed line (1) vLLM preempts if all of it runs to max_tokens.",
+            "Projected peak KV (prompt + max_tokens) of everything vLLM runs or will run over "
+            "capacity. Above the dashed line (1) vLLM preempts if all of it runs to max_tokens. "
+            "Queued demand: what the sidecar's queue holds back, on the same scale.",
             "percentunit",
-            [Query(_per_pod("max", sidecar("kv_sidecar_oom_risk_ratio")), "{{pod}}")],
+            [
+                Query(_per_pod("max", sidecar("kv_sidecar_oom_risk_ratio")), "{{pod}} OOM risk"),
+                Query(
+                    _per_pod("max", sidecar("kv_sidecar_queued_demand_ratio")),
+                    "{{pod}} queued demand",
+                ),
+            ],
             min_value=0,
             threshold_line=1,
         ),

@@ -39,12 +39,11 @@ def make_prompts(model_dir: Path, count: int, tokens: int, *, seed: int = 0) -> 
     rng = random.Random(seed)
     prompts: list[str] = []
     while len(prompts) < count:
-        words: list[str] = [f"{rng.randint(0, 10**9)}"]
-        while len(tok(" ".join(words))["input_ids"]) < tokens:
-            words.append(rng.choice(WORDS))
+        # every word is at least one token: `tokens` words always reach the length, then cut
+        words = [str(rng.randint(0, 10**9)), *(rng.choice(WORDS) for _ in range(tokens))]
         ids = tok(" ".join(words))["input_ids"][:tokens]
         text = tok.decode(ids, skip_special_tokens=True)
-        if len(tok(text)["input_ids"]) == tokens:
+        if len(tok(text)["input_ids"]) == tokens:  # a cut inside a word may not round-trip
             prompts.append(text)
     return prompts
 

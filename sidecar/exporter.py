@@ -272,7 +272,14 @@ class StateCollector(Collector):
         capacity = state.capacity_blocks
         kv("capacity", "KV cache vLLM can hand out", capacity)
         kv("reserved", "KV promised to requests in flight", state.reserved_blocks)
-        kv("predicted_used", "KV the ledger predicts vLLM holds now", state.predicted_blocks)
+        # predicted and actual at the same instant, the last scrape of vLLM (the live ledger,
+        # which counts a streamed request from its first token, is in /state)
+        predicted = state.predicted_at_snapshot_blocks
+        kv(
+            "predicted_used",
+            "KV the ledger predicts vLLM held at the last scrape",
+            predicted if predicted is not None else state.predicted_blocks,
+        )
         kv("actual_used", "KV vLLM reports it holds", state.actual_blocks)
         if state.actual_blocks is not None and state.predicted_at_snapshot_blocks is not None:
             # both sides at the instant of the last scrape of vLLM
