@@ -253,6 +253,8 @@ class VllmServer:
 if __name__ == "__main__":
     # `python -m harness.vllm_cpu [BLOCKS]`: start a server and keep it up until Ctrl-C.
     blocks = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+    # SIGTERM ends the server like Ctrl-C does (vLLM runs in its own process group)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with VllmServer(num_gpu_blocks=blocks) as server:
         print(server.url, flush=True)
         with contextlib.suppress(KeyboardInterrupt):
