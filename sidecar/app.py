@@ -113,7 +113,9 @@ class Sidecar:
         )
         self.discovered = False
         self.draining = False
+        self.vllm_healthy = False
         self._discovery: asyncio.Task[None] | None = None
+        self._health: asyncio.Task[None] | None = None
 
     # --- readiness ----------------------------------------------------------------------------
 
@@ -125,6 +127,7 @@ class Sidecar:
         return (
             self.discovered
             and not self.draining
+            and self.vllm_healthy
             and self.scraper.up
             and self.scraper.age() <= self.settings.metrics_stale_after
         )
@@ -135,6 +138,7 @@ class Sidecar:
             "discovered": self.discovered,
             "draining": self.draining,
             "vllm_up": self.scraper.up,
+            "vllm_healthy": self.vllm_healthy,
             "vllm_metrics_age_seconds": _finite(self.scraper.age()),
             "last_error": self.scraper.last_error,
         }
@@ -145,12 +149,14 @@ class Sidecar:
         self.scraper.add_listener(self._on_snapshot)
         self.scraper.start()
         self._discovery = asyncio.ensure_future(self._discover_forever())
+        self._health = asyncio.ensure_future(self._check_health_forever())
 
     async def stop(self) -> None:
-        if self._discovery is not None:
-            self._discovery.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._discovery
+        for task in (self._discovery, self._health):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.scraper.stop()
         self.counter.close()
         await self.client.aclose()
@@ -185,6 +191,25 @@ class Sidecar:
         self.metrics.on_snapshot()
         if snap.num_gpu_blocks:
             self.engine.num_gpu_blocks = snap.num_gpu_blocks
+
+    async def _check_health_forever(self) -> None:
+        """vLLM's /health: its API can serve /metrics while its engine is dead (then 503)."""
+        url = self.settings.upstream + "/health"
+        while True:
+            try:
+                async with asyncio.timeout(max(2.0, self.settings.scrape_interval)):
+                    resp = await self.client.get(url)
+                healthy = resp.status_code == 200
+            except (httpx.HTTPError, TimeoutError):
+                healthy = False
+            if healthy != self.vllm_healthy:
+                log.log(
+                    logging.INFO if healthy else logging.WARNING,
+                    "vLLM /health: %s",
+                    "healthy" if healthy else "not healthy",
+                )
+            self.vllm_healthy = healthy
+            await asyncio.sleep(self.settings.scrape_interval)
 
     # --- discovery ----------------------------------------------------------------------------
 

@@ -139,10 +139,17 @@ class Proxy:
             # (else "/x/../v1/completions" would pass as a non-generating request)
             upstream_path = self._url(raw_path, b"").path[len(self._base_prefix) :]
             endpoint = GENERATION_PATHS.get(upstream_path)
-        if endpoint is None:
-            await self._passthrough(scope, receive, send, raw_path)
-        else:
-            await self._generate(scope, receive, send, raw_path, endpoint)
+        try:
+            if endpoint is None:
+                await self._passthrough(scope, receive, send, raw_path)
+            else:
+                await self._generate(scope, receive, send, raw_path, endpoint)
+        except asyncio.CancelledError:
+            if not self.sc.draining:
+                raise
+            # the server cut what was still running at the drain deadline: expected, logged once
+            # by the drain, not as a traceback per request
+
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -177,7 +177,13 @@ class FakeVllm:
     def non_probe_requests(self) -> list[Recorded]:
         """Requests other than the sidecar's own scrapes, discovery and token counting."""
         probes = ("/metrics", "/v1/models", "/tokenize")
-        return [r for r in list(self.requests) if r.path not in probes]
+
+        def probe(r: Recorded) -> bool:
+            # the sidecar's /health checks carry no user-agent (it sends no default headers)
+            own_health = r.path == "/health" and not any(k == b"user-agent" for k, _ in r.headers)
+            return r.path in probes or own_health
+
+        return [r for r in list(self.requests) if not probe(r)]
 
     # --- rendering ----------------------------------------------------------------------
 
