@@ -36,6 +36,7 @@ from sidecar.proxy import Proxy, Receive, Scope, Send
 from sidecar.scraper import Scraper
 from sidecar.settings import Settings
 from sidecar.tokens import PromptCounter
+from sidecar.upstream import UpstreamTransport
 from sidecar.vllm_metrics import EngineSnapshot
 
 log = logging.getLogger("sidecar")
@@ -52,12 +53,10 @@ def make_client(settings: Settings) -> httpx.AsyncClient:
             write=settings.upstream_read_timeout,
             pool=settings.upstream_connect_timeout,
         ),
-        limits=httpx.Limits(
-            max_connections=settings.upstream_max_connections,
-            max_keepalive_connections=min(settings.upstream_max_connections, 256),
-            # shorter than uvicorn's 5 s keep-alive (vLLM's server): a pooled connection the
-            # server is closing would fail the next request with "disconnected"
-            keepalive_expiry=2.0,
+        # keepalive_expiry shorter than uvicorn's 5 s keep-alive (vLLM's server): a pooled
+        # connection the server is closing would fail the next request with "disconnected"
+        transport=UpstreamTransport(
+            max_connections=settings.upstream_max_connections, keepalive_expiry=2.0
         ),
         follow_redirects=False,
         trust_env=False,

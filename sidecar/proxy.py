@@ -137,8 +137,10 @@ class Proxy:
         if scope["method"] == "POST":
             # classify on the path vLLM will route, after the URL's dot segments are resolved
             # (else "/x/../v1/completions" would pass as a non-generating request)
-            upstream_path = self._url(raw_path, b"").path[len(self._base_prefix) :]
-            endpoint = GENERATION_PATHS.get(upstream_path)
+            path = scope["path"]
+            if b"/." in raw_path or b"%2e" in raw_path.lower():  # parsing URLs is costly: only then
+                path = self._url(raw_path, b"").path[len(self._base_prefix) :]
+            endpoint = GENERATION_PATHS.get(path)
         try:
             if endpoint is None:
                 await self._passthrough(scope, receive, send, raw_path)
@@ -149,7 +151,6 @@ class Proxy:
                 raise
             # the server cut what was still running at the drain deadline: expected, logged once
             # by the drain, not as a traceback per request
-
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -199,8 +200,17 @@ class Proxy:
         headers: list[tuple[bytes, bytes]],
         content: bytes | AsyncIterator[bytes],
     ) -> httpx.Response:
-        request = self.sc.client.build_request(method, url, headers=headers, content=content)
-        return await self.sc.client.send(request, stream=True)
+        client = self.sc.client
+        request = client.build_request(method, url, headers=headers, content=content)
+        try:
+            return await client.send(request, stream=True)
+        except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.WriteError):
+            if not isinstance(content, bytes):
+                raise  # a streamed body cannot be sent twice
+            # A pooled connection the server closed as it was reused: the request never reached
+            # vLLM (no response head came), so sending it again on a fresh connection is safe.
+            request = client.build_request(method, url, headers=headers, content=content)
+            return await client.send(request, stream=True)
 
     async def _relay(
         self,

@@ -1136,8 +1136,10 @@ class ModelTokenizer:
 
     def count_text(self, text: str, *, add_special_tokens: bool) -> int:
         with self._borrow() as tok:
-            ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
-        return len(ids)
+            # the Rust tokenizer itself: what transformers' __call__ runs for a fast tokenizer,
+            # without its per-call Python (measured at ~40% of a short prompt's count)
+            encoding = tok.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return len(encoding.ids)
 
     def chat_template(self, *, with_tools: bool) -> str | None:
         """The template vLLM picks (a ``tool_use`` variant when tools are given), or None."""
