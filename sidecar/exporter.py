@@ -67,6 +67,18 @@ class EngineInfo:
     bytes_per_block: int | None = None  # None: unknown (no model config and no KV memory figure)
 
 
+@dataclass(frozen=True)
+class Sources:
+    """Where the scrape-time figures come from, besides the admission controller."""
+
+    engine: Callable[[], EngineInfo]
+    vllm_up: Callable[[], bool]
+    ready: Callable[[], bool]
+    scrape_errors: Callable[[], int]
+    config_labels: dict[str, str]
+    clock: Callable[[], float]
+
+
 class Metrics:
     """Event metrics plus the scrape-time collector, on one registry."""
 
@@ -166,12 +178,7 @@ class Metrics:
             self.upstream_errors.labels(kind)
         self.collector = StateCollector(
             admission,
-            engine=engine,
-            vllm_up=vllm_up,
-            ready=ready,
-            scrape_errors=scrape_errors,
-            config_labels=config_labels,
-            clock=clock,
+            Sources(engine, vllm_up, ready, scrape_errors, config_labels, clock),
         )
         registry.register(self.collector)
 
@@ -205,27 +212,11 @@ class Metrics:
 class StateCollector(Collector):
     """Yields the state gauges at scrape time from the admission controller and the ledger."""
 
-    def __init__(
-        self,
-        admission: AdmissionController,
-        *,
-        engine: Callable[[], EngineInfo],
-        vllm_up: Callable[[], bool],
-        ready: Callable[[], bool],
-        scrape_errors: Callable[[], int],
-        config_labels: dict[str, str],
-        clock: Callable[[], float],
-    ) -> None:
+    def __init__(self, admission: AdmissionController, sources: Sources) -> None:
         self.admission = admission
-        self.engine = engine
-        self.vllm_up = vllm_up
-        self.ready = ready
-        self.scrape_errors = scrape_errors
-        self.config_labels = config_labels
-        self.clock = clock
+        self.sources = sources
         # (time, vLLM used blocks) per scrape, for the growth rate behind the exhaustion forecast
         self._usage: deque[tuple[float, int]] = deque(maxlen=20)
-        self._preemptions_counter = 0.0
 
     def on_snapshot(self, relative_error: Histogram) -> None:
         state = self.admission.state()
@@ -252,7 +243,8 @@ class StateCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         state = self.admission.state()
-        info = self.engine()
+        src = self.sources
+        info = src.engine()
         bpb = info.bytes_per_block
         out: list[Metric] = []
 
@@ -363,21 +355,21 @@ class StateCollector(Collector):
             GaugeMetricFamily(
                 f"{PREFIX}_vllm_up",
                 "1 when the last scrape of vLLM succeeded.",
-                value=1.0 if self.vllm_up() else 0.0,
+                value=1.0 if src.vllm_up() else 0.0,
             )
         )
         out.append(
             GaugeMetricFamily(
                 f"{PREFIX}_ready",
                 "1 while /readyz answers 200.",
-                value=1.0 if self.ready() else 0.0,
+                value=1.0 if src.ready() else 0.0,
             )
         )
         out.append(
             CounterMetricFamily(
                 f"{PREFIX}_vllm_scrape_errors",
                 "Failed scrapes of vLLM's /metrics.",
-                value=self.scrape_errors(),
+                value=src.scrape_errors(),
             )
         )
         out.append(
@@ -402,7 +394,7 @@ class StateCollector(Collector):
         )
         out.append(
             InfoMetricFamily(
-                f"{PREFIX}_config", "The sidecar's admission settings.", value=self.config_labels
+                f"{PREFIX}_config", "The sidecar's admission settings.", value=src.config_labels
             )
         )
         return out
