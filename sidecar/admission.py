@@ -60,7 +60,8 @@ class CompletionLearner:
     """Learns how much of ``max_tokens`` answers really use, for ``--reservation expected``.
 
     Keeps the last ``window`` completion/max_tokens ratios and reserves a high quantile of them.
-    Until ``min_samples`` answers are seen it reserves everything (ratio 1.0). Each rise of vLLM's
+    Until ``min_samples`` answers are seen it reserves ``prior`` (1.0, everything, unless the
+    operator knows the workload: a fresh sidecar meets its first burst with it). Each rise of vLLM's
     preemption counter adds a safety boost that decays by half every ``boost_half_life`` seconds.
     """
 
@@ -70,10 +71,14 @@ class CompletionLearner:
         *,
         window: int = 1000,
         min_samples: int = 20,
+        prior: float = 1.0,
         boost_half_life: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not 0.0 < prior <= 1.0:
+            raise ValueError(f"prior must be in (0, 1], got {prior!r}")
         self.quantile = quantile
+        self.prior = prior
         self.min_samples = min_samples
         self._ratios: deque[float] = deque(maxlen=window)
         self._cached: float | None = None
@@ -106,7 +111,7 @@ class CompletionLearner:
     @property
     def learned_ratio(self) -> float:
         if len(self._ratios) < self.min_samples:
-            return 1.0
+            return self.prior
         if self._cached is None:
             ordered = sorted(self._ratios)
             self._cached = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
@@ -160,6 +165,7 @@ class AdmissionController:
         max_queue_wait: float = 30.0,
         reservation: ReservationMode = "worst-case",
         expected_quantile: float = 0.95,
+        expected_prior: float = 1.0,
         stale_after: float = 5.0,
         stale_policy: StalePolicy = "open",
         clock: Callable[[], float] = time.monotonic,
@@ -172,7 +178,7 @@ class AdmissionController:
         self.reservation_mode = reservation
         self.stale_after = stale_after
         self.stale_policy = stale_policy
-        self.learner = CompletionLearner(expected_quantile, clock=clock)
+        self.learner = CompletionLearner(expected_quantile, prior=expected_prior, clock=clock)
         self._clock = clock
         self._queue: deque[_Waiter] = deque()
         self._queued_peak_blocks = 0
@@ -439,6 +445,9 @@ class AdmissionController:
                 continue
             if self.stale_policy == "closed" and self.is_stale():
                 return  # wait for fresh engine data (or the deadline)
+            if self.reservation_mode == "expected":
+                # the learned ratio moves while a request waits: reserve what it says now
+                head.need_blocks = self.need_blocks(head.projection)
             if not self._fits(head.need_blocks):
                 return
             self._queue.popleft()

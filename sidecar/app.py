@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.cookiejar
 import json
 import logging
 import math
@@ -41,29 +42,64 @@ from sidecar.vllm_metrics import EngineSnapshot
 
 log = logging.getLogger("sidecar")
 
+OWN_CONNECTIONS = 64  # the sidecar's own calls: scrapes, /health, discovery, /tokenize
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def make_client(settings: Settings) -> httpx.AsyncClient:
-    """The one pooled client to vLLM. No default headers: the proxy forwards the client's own."""
+def make_transport(settings: Settings, max_connections: int | None = None) -> UpstreamTransport:
+    # keepalive_expiry shorter than uvicorn's 5 s keep-alive (vLLM's server): a pooled
+    # connection the server is closing would fail the next request with "disconnected"
+    return UpstreamTransport(
+        max_connections=max_connections or settings.upstream_max_connections,
+        keepalive_expiry=2.0,
+    )
+
+
+def upstream_timeout(settings: Settings) -> httpx.Timeout:
+    return httpx.Timeout(
+        connect=settings.upstream_connect_timeout,
+        read=settings.upstream_read_timeout,
+        write=settings.upstream_read_timeout,
+        pool=settings.upstream_connect_timeout,
+    )
+
+
+def make_client(
+    settings: Settings,
+    *,
+    transport: UpstreamTransport | None = None,
+    headers: dict[str, str] | None = None,
+) -> httpx.AsyncClient:
+    """A pooled client to vLLM with no default headers but ``headers``.
+
+    The proxy sends on its transport directly (each client's own headers, nothing added); the
+    sidecar's own calls (scrapes, /health, discovery, /tokenize) use a small client of their own,
+    carrying vLLM's --api-key when set, so that they never wait behind a burst of clients in the
+    proxy's pool.
+    """
     client = httpx.AsyncClient(
-        timeout=httpx.Timeout(
-            connect=settings.upstream_connect_timeout,
-            read=settings.upstream_read_timeout,
-            write=settings.upstream_read_timeout,
-            pool=settings.upstream_connect_timeout,
-        ),
-        # keepalive_expiry shorter than uvicorn's 5 s keep-alive (vLLM's server): a pooled
-        # connection the server is closing would fail the next request with "disconnected"
-        transport=UpstreamTransport(
-            max_connections=settings.upstream_max_connections, keepalive_expiry=2.0
-        ),
+        timeout=upstream_timeout(settings),
+        transport=transport or make_transport(settings),
         follow_redirects=False,
         trust_env=False,
     )
     for name in list(client.headers.keys()):
         del client.headers[name]
+    client.headers.update(headers or {})
+    # The client is shared by every caller: a Set-Cookie in one caller's answer must never be
+    # sent with another's request. Cookies pass through untouched, as headers.
+    client.cookies = _NoCookieJar()
     return client
+
+
+class _NoCookieJar(http.cookiejar.CookieJar):
+    """A jar that keeps nothing and skips parsing: the proxy relays cookies, never stores them."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+    def set_cookie(self, cookie: http.cookiejar.Cookie) -> None:
+        return None
 
 
 class Sidecar:
@@ -72,9 +108,18 @@ class Sidecar:
     def __init__(self, settings: Settings, *, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.client = make_client(settings)
+        # the proxy's pool: Proxy sends on the transport directly, the client owns and closes it
+        self.transport = make_transport(settings)
+        self.client = make_client(settings, transport=self.transport)
+        key = settings.upstream_api_key
+        # the sidecar's own calls to vLLM carry vLLM's --api-key; clients' requests carry theirs
+        self.own_client = make_client(
+            settings,
+            transport=make_transport(settings, OWN_CONNECTIONS),
+            headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
+        )
         self.scraper = Scraper(
-            self.client, settings.upstream + "/metrics", interval=settings.scrape_interval
+            self.own_client, settings.upstream + "/metrics", interval=settings.scrape_interval
         )
         # Until discovery knows the block size, nothing is admitted (engine_ready() is False).
         self.blocks: BlockMath = UniformBlocks(16)
@@ -87,12 +132,16 @@ class Sidecar:
             max_queue_wait=settings.max_queue_wait,
             reservation=settings.reservation,
             expected_quantile=settings.expected_quantile,
+            expected_prior=settings.expected_prior,
             stale_after=settings.metrics_stale_after,
             stale_policy=settings.stale_policy,
         )
         self.engine = EngineInfo()
         self.counter = PromptCounter(
-            client=self.client, upstream=settings.upstream, served_model=None, tokenizer_path=None
+            client=self.own_client,
+            upstream=settings.upstream,
+            served_model=None,
+            tokenizer_path=None,
         )
         self.max_model_len = settings.max_model_len or 0
         self.geometry: KVGeometry | None = None
@@ -112,6 +161,7 @@ class Sidecar:
         )
         self.discovered = False
         self.draining = False
+        self.passthrough_in_flight = 0  # non-generating requests being relayed
         self.vllm_healthy = False
         self._discovery: asyncio.Task[None] | None = None
         self._health: asyncio.Task[None] | None = None
@@ -159,6 +209,7 @@ class Sidecar:
         await self.scraper.stop()
         self.counter.close()
         await self.client.aclose()
+        await self.own_client.aclose()
 
     async def drain(self, deadline_seconds: float) -> None:
         """Stop admitting, let what runs (and queued requests that can still start) finish."""
@@ -172,13 +223,20 @@ class Sidecar:
         )
         deadline = time.monotonic() + deadline_seconds
         # polled: in-flight requests end in many places (answer, error, disconnect)
-        while (len(self.ledger) or self.admission.queue_depth) and time.monotonic() < deadline:  # noqa: ASYNC110
+        while self._busy() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         self.admission.fail_queue()
-        if len(self.ledger):
-            log.warning("drain deadline reached with %d requests in flight", len(self.ledger))
+        if len(self.ledger) or self.passthrough_in_flight:
+            log.warning(
+                "drain deadline reached with %d generation and %d other requests in flight",
+                len(self.ledger),
+                self.passthrough_in_flight,
+            )
         else:
             log.info("drained")
+
+    def _busy(self) -> bool:
+        return bool(len(self.ledger) or self.admission.queue_depth or self.passthrough_in_flight)
 
     def _on_snapshot(self, snap: EngineSnapshot) -> None:
         if self.discovered and snap.block_size and snap.block_size != self.blocks.block_size:
@@ -197,7 +255,7 @@ class Sidecar:
         while True:
             try:
                 async with asyncio.timeout(max(2.0, self.settings.scrape_interval)):
-                    resp = await self.client.get(url)
+                    resp = await self.own_client.get(url)
                 healthy = resp.status_code == 200
             except (httpx.HTTPError, TimeoutError):
                 healthy = False
@@ -226,7 +284,7 @@ class Sidecar:
 
     async def _discover(self) -> None:
         settings = self.settings
-        resp = await self.client.get(settings.upstream + "/v1/models")
+        resp = await self.own_client.get(settings.upstream + "/v1/models")
         resp.raise_for_status()
         models = resp.json().get("data") or []
         if not models:
@@ -282,11 +340,14 @@ class Sidecar:
             if any((directory / name).exists() for name in _TOKENIZER_FILES):
                 tokenizer = directory
         counter = PromptCounter(
-            client=self.client,
+            client=self.own_client,
             upstream=settings.upstream,
             served_model=served,
             tokenizer_path=tokenizer,
         )
+        # Not ready until the tokenizer has loaded (or failed to): the load holds the GIL in long
+        # stretches, and requests admitted meanwhile would stall seconds behind it.
+        local = await counter.wait_ready()
 
         self.blocks = blocks
         self.ledger.blocks = blocks
@@ -315,7 +376,7 @@ class Sidecar:
             snap.block_size,
             bytes_per_block if bytes_per_block is not None else "unknown",
             "model config" if geometry is not None else "no model config",
-            f"local tokenizer {tokenizer}" if tokenizer is not None else "vLLM /tokenize",
+            f"local tokenizer {tokenizer}" if local else "vLLM /tokenize",
         )
 
 

@@ -64,6 +64,7 @@ HOP_BY_HOP = frozenset(
 )
 _USAGE_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 4096
+_URL_CACHE_SIZE = 1024
 
 
 def forward_headers(
@@ -119,6 +120,8 @@ class Proxy:
         self._base = base
         self._base_path = base.raw_path.rstrip(b"/")
         self._base_prefix = base.path.rstrip("/")
+        self._extensions = {"timeout": sidecar.client.timeout.as_dict()}  # the same limits
+        self._urls: dict[tuple[bytes, bytes], httpx.URL] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -133,6 +136,21 @@ class Proxy:
                 send, *errors.plain(400, "request target must be a path", code="invalid_target")
             )
             return
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        settings = self.sc.settings
+        if len(headers) > settings.max_headers or (
+            sum(len(k) + len(v) for k, v in headers) + 4 * len(headers) > settings.max_header_bytes
+        ):
+            # refused before anything is forwarded: vLLM never sees them, and no per-header work
+            # (cookie handling, copying) runs on the event loop
+            message = (
+                f"request headers exceed the limit of {settings.max_headers} headers "
+                f"or {settings.max_header_bytes} bytes"
+            )
+            await self._respond(
+                send, *errors.plain(431, message, code="request_header_fields_too_large")
+            )
+            return
         endpoint = None
         if scope["method"] == "POST":
             # classify on the path vLLM will route, after the URL's dot segments are resolved
@@ -143,7 +161,11 @@ class Proxy:
             endpoint = GENERATION_PATHS.get(path)
         try:
             if endpoint is None:
-                await self._passthrough(scope, receive, send, raw_path)
+                self.sc.passthrough_in_flight += 1  # a drain waits for these too
+                try:
+                    await self._passthrough(scope, receive, send, raw_path)
+                finally:
+                    self.sc.passthrough_in_flight -= 1
             else:
                 await self._generate(scope, receive, send, raw_path, endpoint)
         except asyncio.CancelledError:
@@ -164,8 +186,15 @@ class Proxy:
     # --- plumbing ----------------------------------------------------------------------------
 
     def _url(self, raw_path: bytes, query: bytes) -> httpx.URL:
-        target = self._base_path + raw_path + (b"?" + query if query else b"")
-        return self._base.copy_with(raw_path=target)
+        key = (raw_path, query)
+        url = self._urls.get(key)
+        if url is None:  # parsing a URL costs more than the rest of a small request's routing
+            target = self._base_path + raw_path + (b"?" + query if query else b"")
+            url = self._base.copy_with(raw_path=target)
+            if len(self._urls) >= _URL_CACHE_SIZE:
+                self._urls.clear()  # arbitrary query strings must not grow it without bound
+            self._urls[key] = url
+        return url
 
     @staticmethod
     async def _respond(
@@ -200,17 +229,20 @@ class Proxy:
         headers: list[tuple[bytes, bytes]],
         content: bytes | AsyncIterator[bytes],
     ) -> httpx.Response:
-        client = self.sc.client
-        request = client.build_request(method, url, headers=headers, content=content)
+        # Straight to the transport: httpx.AsyncClient's auth, redirect and cookie layers do
+        # nothing for a proxy (it relays redirects and cookies) and cost a fifth of its CPU.
+        transport = self.sc.transport
+        ext = self._extensions
+        request = httpx.Request(method, url, headers=headers, content=content, extensions=ext)
         try:
-            return await client.send(request, stream=True)
+            return await transport.handle_async_request(request)
         except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.WriteError):
             if not isinstance(content, bytes):
                 raise  # a streamed body cannot be sent twice
             # A pooled connection the server closed as it was reused: the request never reached
             # vLLM (no response head came), so sending it again on a fresh connection is safe.
-            request = client.build_request(method, url, headers=headers, content=content)
-            return await client.send(request, stream=True)
+            request = httpx.Request(method, url, headers=headers, content=content, extensions=ext)
+            return await transport.handle_async_request(request)
 
     async def _relay(
         self,

@@ -151,6 +151,8 @@ def parse_generation(endpoint: Endpoint, raw: bytes) -> GenerationRequest:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         raise BadRequest("request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # e.g. an integer of more than sys.get_int_max_str_digits() digits
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     if not _depth_ok(body, MAX_JSON_DEPTH):

@@ -186,9 +186,14 @@ class Scraper:
         # Prometheus text is UTF-8 by specification; do not let a missing charset guess.
         text = response.content.decode("utf-8", errors="replace")
         try:
-            return parse_vllm_metrics(text, taken_at=self._clock(), wall_time=time.time())
+            snapshot = parse_vllm_metrics(text, taken_at=self._clock(), wall_time=time.time())
         except MetricsParseError as exc:
             raise _ScrapeFailed(f"parse error: {exc}") from exc
+        if not snapshot.has_cache_config:
+            # Without it the pool size is unknown and kv_cache_usage_perc cannot be turned into
+            # blocks: a snapshot that cannot bound admission is not a fresh one.
+            raise _ScrapeFailed("no vllm:cache_config_info in the metrics: the KV pool is unknown")
+        return snapshot
 
     def _succeeded(self, snapshot: EngineSnapshot) -> None:
         self.latest = snapshot

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Policy = Literal["reject", "queue", "observe"]
@@ -66,6 +66,8 @@ class Settings(BaseSettings):
     """worst-case: reserve prompt + max_tokens; expected: prompt + a learned completion quantile."""
     expected_quantile: float = Field(default=0.95, gt=0, le=1)
     """Quantile of completion/max_tokens ratios reserved in expected mode."""
+    expected_prior: float = Field(default=1.0, gt=0, le=1)
+    """Share of max_tokens reserved in expected mode until 20 answers have been seen."""
     scrape_interval: float = Field(default=0.5, gt=0)
     """Seconds between scrapes of vLLM's /metrics."""
     metrics_stale_after: float = Field(default=5.0, gt=0)
@@ -73,14 +75,20 @@ class Settings(BaseSettings):
     stale_policy: StalePolicy = "open"
     """On stale vLLM metrics, admit on the ledger alone (open) or refuse with 503 (closed)."""
 
-    upstream_connect_timeout: float = Field(default=5.0, gt=0)
-    """Seconds to connect to vLLM."""
+    upstream_connect_timeout: float = Field(default=30.0, gt=0)
+    """Seconds to connect to vLLM (or wait for a pooled connection)."""
     upstream_read_timeout: float = Field(default=600.0, gt=0)
     """Seconds to wait for each chunk of vLLM's answer."""
     upstream_max_connections: int = Field(default=1024, gt=0)
     """Pooled connections to vLLM."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     """Largest generation request body accepted (413 above it)."""
+    max_header_bytes: int = Field(default=60 * 1024, gt=0)
+    """Largest total size of a request's headers (431 above it; Envoy's default)."""
+    max_headers: int = Field(default=100, gt=0)
+    """Most headers on one request (431 above it; Envoy's default)."""
+    upstream_api_key: SecretStr | None = None
+    """vLLM's --api-key, for the sidecar's own calls (discovery, /tokenize); never lent out."""
     drain_timeout: float = Field(default=30.0, ge=0)
     """Seconds in-flight requests get to finish after SIGTERM."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

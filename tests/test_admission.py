@@ -256,6 +256,40 @@ def test_learner_quantile_boost_and_expected_need() -> None:
     assert ac.need_blocks(proj()) > 3  # tightened after vLLM preempted
 
 
+def test_learner_starts_from_its_prior_until_enough_answers() -> None:
+    learner = CompletionLearner(0.9, min_samples=5, prior=0.4)
+    assert learner.ratio() == 0.4
+    for _ in range(4):
+        learner.observe(90, 100)
+    assert learner.ratio() == 0.4  # 4 answers are not evidence yet
+    learner.observe(90, 100)
+    assert learner.ratio() == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="prior"):
+        CompletionLearner(prior=0.0)
+
+    clock = Clock()
+    ac = controller(clock, reservation="expected", expected_prior=0.1)
+    assert ac.need_blocks(proj()) == 3  # 271 + 70 tokens: the prior, before any answer
+    assert controller(clock, reservation="expected").need_blocks(proj()) == 8  # default: all
+
+
+async def test_a_queued_request_is_sized_by_the_learned_ratio_when_it_starts() -> None:
+    """The ratio can drop while a request waits: it is reserved at what it says then."""
+    clock = Clock()
+    ac = controller(clock, policy="queue", reservation="expected", max_queue_wait=5)
+    running = [ac.try_admit(proj(prompt=500, max_tokens=500), streamed=True) for _ in range(7)]
+    assert all(d and d.admitted for d in running)  # 7 x 8 = 56 of 63 blocks, worst-case ratio
+    waiter = asyncio.create_task(ac.wait(proj(), streamed=True))  # 8 blocks at ratio 1.0
+    await asyncio.sleep(0)
+    assert ac.queue_depth == 1
+    for _ in range(20):
+        ac.learner.observe(50, 500)  # answers use a tenth of max_tokens
+    ac.pump()
+    decision = await asyncio.wait_for(waiter, 1)
+    assert decision.admitted and decision.reservation is not None
+    assert decision.reservation.reserved_blocks == 3  # 271 + 70 tokens, not 8 blocks
+
+
 def test_an_estimate_never_makes_a_request_unrunnable() -> None:
     clock = Clock()
     ac = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.9)

@@ -719,6 +719,18 @@ async def test_before_discovery_generation_gets_503_engine_not_ready(
         assert (await stack.client.post("/v1/chat/completions", json=chat())).status_code == 200
 
 
+async def test_not_ready_until_the_local_tokenizer_has_loaded() -> None:
+    """The load holds the GIL in long stretches: no traffic may be admitted behind it."""
+    from harness.vllm_cpu import ensure_model
+
+    with FakeServer(FakeVllm(model_root=ensure_model())) as server:
+        async with run_sidecar(server, discovered=False) as stack:
+            await eventually(lambda: stack.sidecar.discovered, "discovered", within=60)
+            assert stack.sidecar.counter.local_available  # loaded before, not after
+            resp = await stack.ops.get("/readyz")
+            assert resp.status_code == 200, resp.text
+
+
 @pytest.mark.parametrize("mode", ["hang", "error", "garbage"])
 async def test_readyz_turns_503_when_vllm_metrics_go_stale(upstream: FakeServer, mode: str) -> None:
     async with run_sidecar(upstream, metrics_stale_after=0.3) as stack:
