@@ -1,0 +1,228 @@
+"""A bounded soak against the real vLLM: mixed traffic with random disconnects and timeouts.
+
+Six clients loop for ``KV_SIDECAR_SOAK_SECONDS`` (default 120) through one ``kv-sidecar serve``
+process, each drawing from a seeded mix: streamed and non-streamed answers read to the end,
+streams dropped after a few events, non-streamed requests abandoned or timed out mid-generation,
+bodies that are not JSON, and pass-through reads. The KV budget is a quarter of the pool
+(``--headroom 0.75``) so that some requests wait in the sidecar's queue, and some of those are
+abandoned there too.
+
+Afterwards: the ledger holds exactly zero, vLLM runs nothing, and the sidecar's file descriptors,
+threads and resident memory are back where they were after a warm-up of the same traffic (RSS
+growth under 10%). The sidecar has no asyncio task count to read from outside; a leaked task
+holds a socket or memory, which these figures would show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from harness.workload import SidecarProcess, make_prompts, metric_value
+from tests.conftest import VllmInfo
+from tests.faultkit import ProcStats, proc_stats
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+SOAK_SECONDS = float(os.environ.get("KV_SIDECAR_SOAK_SECONDS", "120"))
+WARMUP_SECONDS = 20.0
+CLIENTS = 6
+ACTIONS = {
+    "stream": 30,
+    "plain": 22,
+    "stream_drop": 15,
+    "plain_abandon": 10,
+    "plain_timeout": 8,
+    "bad_json": 5,
+    "passthrough": 10,
+}
+
+
+@dataclass
+class Tally:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[int] = field(default_factory=Counter)
+    unexpected: list[str] = field(default_factory=list)
+
+
+async def one_action(
+    client: httpx.AsyncClient, url: str, rng: random.Random, prompts: list[str], tally: Tally
+) -> None:
+    action = rng.choices(list(ACTIONS), weights=list(ACTIONS.values()))[0]
+    max_tokens = rng.choice([8, 16, 32, 64, 128])
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": rng.choice(prompts),
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    tally.outcomes[action] += 1
+    try:
+        if action in ("stream", "stream_drop"):
+            stop_after = rng.randint(1, 20) if action == "stream_drop" else None
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                tally.statuses[resp.status_code] += 1
+                if resp.status_code != 200:
+                    await resp.aread()
+                    return
+                events = 0
+                async for line in resp.aiter_lines():
+                    events += line.startswith("data: {")
+                    if stop_after is not None and events >= stop_after:
+                        return  # drop the stream: the block closes the connection
+            return
+        if action in ("plain", "plain_abandon"):
+            request = client.post(url + "/v1/completions", json=body)
+            if action == "plain_abandon":
+                try:
+                    resp = await asyncio.wait_for(request, rng.uniform(0.05, 1.5))
+                except TimeoutError:
+                    return
+            else:
+                resp = await request
+            tally.statuses[resp.status_code] += 1
+            if resp.status_code == 200:
+                usage = resp.json()["usage"]["completion_tokens"]
+                if usage != max_tokens:
+                    tally.unexpected.append(f"{usage} of {max_tokens} tokens")
+            return
+        if action == "plain_timeout":
+            timeout = httpx.Timeout(60, read=rng.uniform(0.1, 1.0))
+            try:
+                resp = await client.post(url + "/v1/completions", json=body, timeout=timeout)
+                tally.statuses[resp.status_code] += 1
+            except httpx.ReadTimeout:
+                tally.outcomes["read_timeouts"] += 1
+            return
+        if action == "bad_json":
+            resp = await client.post(url + "/v1/completions", content=b'{"prompt": [1, 2')
+            tally.statuses[resp.status_code] += 1
+            if resp.status_code != 400:
+                tally.unexpected.append(f"bad json got {resp.status_code}")
+            return
+        resp = await client.get(url + rng.choice(["/v1/models", "/metrics", "/health"]))
+        tally.statuses[resp.status_code] += 1
+    except httpx.HTTPError as exc:
+        tally.unexpected.append(f"{action}: {type(exc).__name__}: {exc}")
+
+
+async def traffic(url: str, prompts: list[str], seconds: float, seed: int) -> Tally:
+    tally = Tally()
+    deadline = time.monotonic() + seconds
+    limits = httpx.Limits(max_connections=CLIENTS * 2)
+    async with httpx.AsyncClient(timeout=120, limits=limits, trust_env=False) as client:
+
+        async def worker(i: int) -> None:
+            rng = random.Random(seed * 100 + i)
+            while time.monotonic() < deadline:
+                await one_action(client, url, rng, prompts, tally)
+
+        await asyncio.gather(*(worker(i) for i in range(CLIENTS)))
+    return tally
+
+
+async def settle(sc: SidecarProcess, vllm: VllmInfo) -> dict[str, Any]:
+    """Wait until nothing is in flight anywhere; the sidecar's /state then."""
+    deadline = time.monotonic() + 120
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+        while True:
+            state = (await client.get(sc.metrics_url + "/state")).json()
+            text = (await client.get(vllm.url + "/metrics")).text
+            busy = (metric_value(text, "vllm:num_requests_running") or 0) + (
+                metric_value(text, "vllm:num_requests_waiting") or 0
+            )
+            if not busy and not state["in_flight"] and not state["queue_depth"]:
+                break
+            assert time.monotonic() < deadline, (state, busy)
+            await asyncio.sleep(0.5)
+    await asyncio.sleep(3)  # pooled upstream connections expire (2 s keep-alive)
+    return dict(state)
+
+
+def figures(stats: ProcStats) -> dict[str, float]:
+    return {
+        "rss_mib": round(stats.rss_bytes / 2**20, 1),
+        "threads": stats.threads,
+        "fds": stats.fds,
+    }
+
+
+async def test_soak_leaves_nothing_behind(vllm: VllmInfo, record_property: Any) -> None:
+    assert vllm.model_dir is not None
+    prompts = [
+        p
+        for tokens, seed in ((24, 1), (120, 2), (400, 3))
+        for p in make_prompts(vllm.model_dir, 6, tokens, seed=40 + seed)
+    ]
+    args = ("--policy", "queue", "--headroom", "0.75", "--max-queue-wait", "20")
+    sc = SidecarProcess(vllm.url, *args).start(timeout=120)
+    try:
+        assert sc.proc is not None
+        pid = sc.proc.pid
+        warm = await traffic(sc.url, prompts, WARMUP_SECONDS, seed=1)
+        assert not warm.unexpected, warm.unexpected[:5]
+        await settle(sc, vllm)
+        baseline = proc_stats(pid)
+
+        t0 = time.monotonic()
+        tally = await traffic(sc.url, prompts, SOAK_SECONDS, seed=2)
+        elapsed = time.monotonic() - t0
+        state = await settle(sc, vllm)
+        after = proc_stats(pid)
+        ops = sc.metrics()
+        log = sc.log()
+        assert sc.proc.poll() is None
+    finally:
+        sc.stop()
+
+    requests = sum(tally.outcomes[a] for a in ACTIONS)
+    decisions = {
+        f"{s.labels['decision']}/{s.labels['reason']}": int(s.value)
+        for s in _samples(ops, "kv_sidecar_requests_total")
+        if s.value
+    }
+    result = {
+        "seconds": round(elapsed, 1),
+        "requests": requests,
+        "actions": dict(tally.outcomes),
+        "statuses": {str(k): v for k, v in sorted(tally.statuses.items())},
+        "decisions": decisions,
+        "ledger_after": {
+            k: state[k] for k in ("reserved_blocks", "predicted_blocks", "in_flight", "queue_depth")
+        },
+        "sidecar_before": figures(baseline),
+        "sidecar_after": figures(after),
+        "rss_growth_pct": round(
+            100 * (after.rss_bytes - baseline.rss_bytes) / baseline.rss_bytes, 2
+        ),
+    }
+    print(f"\n[figures] soak: {json.dumps(result, sort_keys=True)}")
+    record_property("soak", json.dumps(result, sort_keys=True))
+
+    assert not tally.unexpected, tally.unexpected[:10]
+    assert set(tally.statuses) <= {200, 400, 429}, tally.statuses  # never a 5xx
+    assert tally.statuses[200] > requests // 2
+    assert decisions.get("admit/queued", 0) > 0  # the queue was exercised
+    assert state["reserved_blocks"] == 0 and state["predicted_blocks"] == 0, state
+    assert state["in_flight"] == 0 and state["queue_depth"] == 0, state
+    assert after.fds <= baseline.fds + 2, (baseline, after)
+    assert after.threads <= baseline.threads, (baseline, after)
+    assert after.rss_bytes < baseline.rss_bytes * 1.10, (baseline, after)
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def _samples(text: str, name: str) -> list[Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
