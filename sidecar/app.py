@@ -19,7 +19,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +160,7 @@ class Sidecar:
             },
         )
         self.discovered = False
+        self.event_loop_tasks: Callable[[], int] = lambda: 0  # set by start(), on the loop
         self.draining = False
         self.passthrough_in_flight = 0  # non-generating requests being relayed
         self.vllm_healthy = False
@@ -195,6 +196,9 @@ class Sidecar:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.event_loop_tasks = lambda: len(asyncio.all_tasks(loop))  # safe from any thread
+        self.metrics.event_loop_tasks.set_function(self.event_loop_tasks)
         self.scraper.add_listener(self._on_snapshot)
         self.scraper.start()
         self._discovery = asyncio.ensure_future(self._discover_forever())
@@ -425,6 +429,7 @@ class OpsApp:
             )
         elif path == "/state":
             data = _dataclass_dict(self.sc.admission.state())
+            data["event_loop_tasks"] = self.sc.event_loop_tasks()
             status, ctype, body = 200, b"application/json", json.dumps(data).encode()
         else:
             status, ctype, body = 404, b"text/plain", b"not found\n"

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -95,6 +95,11 @@ class Metrics:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
+        self.event_loop_tasks = Gauge(
+            f"{PREFIX}_event_loop_tasks",
+            "asyncio tasks alive on the sidecar's event loop (steady at rest; a leak grows it).",
+            registry=registry,
+        )
         self.requests = Counter(
             f"{PREFIX}_requests",
             "Generation requests by gate decision and reason.",

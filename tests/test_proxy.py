@@ -719,6 +719,24 @@ async def test_before_discovery_generation_gets_503_engine_not_ready(
         assert (await stack.client.post("/v1/chat/completions", json=chat())).status_code == 200
 
 
+async def test_event_loop_tasks_are_exported_and_return_to_rest(upstream: FakeServer) -> None:
+    async with run_sidecar(upstream) as stack:
+        rest = (await stack.state())["event_loop_tasks"]
+        assert rest > 0
+        upstream.app.token_delay = 0.05
+        sending = [
+            asyncio.ensure_future(stack.client.post("/v1/completions", json=completion()))
+            for _ in range(8)
+        ]
+        await eventually(lambda: len(stack.sidecar.ledger) == 8, "8 in flight", within=5)
+        busy = stack.sidecar.event_loop_tasks()
+        # the test's own 8 requests run on this loop too: the sidecar's are the rest
+        assert busy >= rest + 16, (rest, busy)
+        await asyncio.gather(*sending)
+        await eventually(lambda: stack.sidecar.event_loop_tasks() <= rest, "back to rest", 5)
+        assert stack.sample("kv_sidecar_event_loop_tasks") <= rest
+
+
 async def test_not_ready_until_the_local_tokenizer_has_loaded() -> None:
     """The load holds the GIL in long stretches: no traffic may be admitted behind it."""
     from harness.vllm_cpu import ensure_model
