@@ -330,15 +330,20 @@ class AdmissionController:
             waited_seconds=waited,
         )
 
+    @staticmethod
+    def _draining_refusal(waited: float = 0.0) -> Decision:
+        return Decision(
+            Outcome.REJECT,
+            "draining",
+            retry_after=MIN_RETRY_AFTER,
+            message="the sidecar is shutting down; retry on another replica",
+            waited_seconds=waited,
+        )
+
     def try_admit(self, projection: Projection, *, streamed: bool) -> Decision | None:
         """Decide at once; None means "queue it" (the caller then awaits :meth:`wait`)."""
         if self.draining:
-            return Decision(
-                Outcome.REJECT,
-                "draining",
-                retry_after=MIN_RETRY_AFTER,
-                message="the sidecar is shutting down; retry on another replica",
-            )
+            return self._draining_refusal()
         need = self.need_blocks(projection)
         stale = self.is_stale()
         if stale and self.stale_policy == "closed":
@@ -411,13 +416,7 @@ class AdmissionController:
         if cancelled is not None and cancelled.is_set():
             return Decision(Outcome.CANCEL, "client_disconnect", waited_seconds=waited)
         if self.draining:
-            return Decision(
-                Outcome.REJECT,
-                "draining",
-                retry_after=MIN_RETRY_AFTER,
-                message="the sidecar is shutting down; retry on another replica",
-                waited_seconds=waited,
-            )
+            return self._draining_refusal(waited)
         return self._refuse(
             "queue_timeout",
             f"waited {waited:.1f}s for KV cache without room; retry later",
