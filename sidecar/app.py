@@ -178,7 +178,9 @@ class Sidecar:
             self.discovered
             and not self.draining
             and self.vllm_healthy
-            and self.scraper.up
+            # the snapshot's age, not the last scrape's outcome: one failed scrape (a loop
+            # lagging under a burst) must not take the pod out of service; stale data does
+            and self.scraper.latest is not None
             and self.scraper.age() <= self.settings.metrics_stale_after
         )
 
@@ -256,13 +258,21 @@ class Sidecar:
     async def _check_health_forever(self) -> None:
         """vLLM's /health: its API can serve /metrics while its engine is dead (then 503)."""
         url = self.settings.upstream + "/health"
+        timeouts = 0
         while True:
             try:
                 async with asyncio.timeout(max(2.0, self.settings.scrape_interval)):
                     resp = await self.own_client.get(url)
                 healthy = resp.status_code == 200
-            except (httpx.HTTPError, TimeoutError):
-                healthy = False
+                timeouts = 0
+            except (TimeoutError, httpx.TimeoutException):
+                # one late answer is more often this loop lagging under a burst than vLLM
+                # failing: only a second one in a row takes the pod out of service
+                timeouts += 1
+                healthy = self.vllm_healthy and timeouts < 2
+            except httpx.HTTPError:
+                healthy = False  # refused or reset: vLLM is not there
+                timeouts = 0
             if healthy != self.vllm_healthy:
                 log.log(
                     logging.INFO if healthy else logging.WARNING,

@@ -522,6 +522,11 @@ async def test_client_disconnects_abort_upstream_and_release_within_a_second(
             holder.connect(("127.0.0.1", sc.port))
             holder.sendall(raw_post(completion_body(short[0], max_tokens, stream=True)))
             await sidecar_until(client, sc, "holding H", lambda s: s["in_flight"] == 1, 30)
+            # vLLM has prefilled H (a fresh CPU vLLM's first forward can take seconds; H left
+            # before that would never count its prompt, and B's absence would prove nothing)
+            await engine.until(
+                "prefilling H", lambda m: m["prompt"] - base["prompt"] >= prompt_tokens, 120
+            )
             body_b = completion_body(short[1], max_tokens, stream=True)
             task_b = asyncio.ensure_future(client.post(sc.url + "/v1/completions", json=body_b))
             await sidecar_until(client, sc, "queueing B", lambda s: s["queue_depth"] == 1, 10)

@@ -737,6 +737,23 @@ async def test_event_loop_tasks_are_exported_and_return_to_rest(upstream: FakeSe
         assert stack.sample("kv_sidecar_event_loop_tasks") <= rest
 
 
+async def test_one_failed_scrape_does_not_drop_readiness_stale_data_does(
+    upstream: FakeServer,
+) -> None:
+    """A scrape that fails under a burst must not take the pod out of service at once."""
+    async with run_sidecar(upstream, metrics_stale_after=1.5) as stack:
+        await eventually(stack.sidecar.ready, "ready")
+        stack.fake.metrics_mode = "error"
+        await eventually(lambda: not stack.sidecar.scraper.up, "scrape failing", within=2)
+        info = (await stack.ops.get("/readyz")).json()
+        assert info["vllm_up"] is False and info["last_error"]  # said at once ...
+        assert info["ready"] is True  # ... but the snapshot is still fresh
+        await eventually(lambda: not stack.sidecar.ready(), "stale", within=3)
+        assert await stack.ready_status() == 503
+        stack.fake.metrics_mode = "ok"
+        await eventually(stack.sidecar.ready, "ready again", within=3)
+
+
 async def test_not_ready_until_the_local_tokenizer_has_loaded() -> None:
     """The load holds the GIL in long stretches: no traffic may be admitted behind it."""
     from harness.vllm_cpu import ensure_model
