@@ -150,21 +150,24 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
                     sc.url + "/v1/completions", json=completion_body(prompts[4], 900, stream=False)
                 )
             )
-            # all five in flight at the sidecar and every stream decoding. (Not "n events per
-            # stream": vLLM merges the tokens of a slow consumer into fewer events, so on a busy
-            # machine a stream's third event can be its last.)
+            # All five in flight at the sidecar, every stream's headers relayed (vLLM accepted
+            # it); then vLLM is frozen (SIGSTOP) so that none can end before the kill, however
+            # fast it decodes and however far behind this client reads (vLLM merges a slow
+            # consumer's tokens into fewer events: counting events proves nothing).
             deadline = time.monotonic() + 120
             while True:
                 before = await asyncio.to_thread(state, sc)
-                if before["in_flight"] == 5 and min(s.events for s in streams) >= 1:
+                if before["in_flight"] == 5 and all(s.status == 200 for s in streams):
                     break
                 assert time.monotonic() < deadline, (before, streams)
                 assert not any(t.done() for t in tasks), (before, streams, sc.log()[-3000:])
-                await asyncio.sleep(0.02)
-            assert before["reserved_blocks"] > 0, before
+                await asyncio.sleep(0.01)
+            os.killpg(server.proc.pid, signal.SIGSTOP)
+            before = await asyncio.to_thread(state, sc)
+            assert before["in_flight"] == 5 and before["reserved_blocks"] > 0, (before, streams)
 
             killed_at = time.monotonic()
-            os.killpg(server.proc.pid, signal.SIGKILL)
+            os.killpg(server.proc.pid, signal.SIGKILL)  # a stopped process dies all the same
             await asyncio.to_thread(server.proc.wait, 30)
 
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
