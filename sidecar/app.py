@@ -19,7 +19,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +160,7 @@ class Sidecar:
             },
         )
         self.discovered = False
-        self.event_loop_tasks: Callable[[], int] = lambda: 0  # set by start(), on the loop
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self.draining = False
         self.passthrough_in_flight = 0  # non-generating requests being relayed
         self.vllm_healthy = False
@@ -198,8 +198,7 @@ class Sidecar:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.event_loop_tasks = lambda: len(asyncio.all_tasks(loop))  # safe from any thread
+        self._loop = asyncio.get_running_loop()
         self.metrics.event_loop_tasks.set_function(self.event_loop_tasks)
         self.scraper.add_listener(self._on_snapshot)
         self.scraper.start()
@@ -240,6 +239,10 @@ class Sidecar:
             )
         else:
             log.info("drained")
+
+    def event_loop_tasks(self) -> int:
+        """Tasks alive on the sidecar's loop (callable from any thread, e.g. a metrics scrape)."""
+        return len(asyncio.all_tasks(self._loop)) if self._loop is not None else 0
 
     def _busy(self) -> bool:
         return bool(len(self.ledger) or self.admission.queue_depth or self.passthrough_in_flight)
