@@ -102,8 +102,8 @@ def test_queue_policy_burst_has_no_preemptions(
         and s["actual_blocks"] is not None
         and s["in_flight_at_snapshot"] > 0
     ]
-    # a quiet machine runs the burst in a few seconds: 5 samples span several scrapes (0.5 s)
-    assert len(compared) >= 5, len(compared)
+    # a quiet machine runs the burst in a few seconds: a few samples span several scrapes (0.5 s)
+    assert len(compared) >= 3, len(compared)
     assert len({s["predicted_at_snapshot_blocks"] for s in compared}) >= 2  # not one scrape
     off = [
         s

@@ -218,7 +218,9 @@ async def test_soak_leaves_nothing_behind(vllm: VllmInfo, record_property: Any) 
     assert state["reserved_blocks"] == 0 and state["predicted_blocks"] == 0, state
     assert state["in_flight"] == 0 and state["queue_depth"] == 0, state
     assert after.fds <= baseline.fds + 2, (baseline, after)
-    assert after.threads <= baseline.threads, (baseline, after)
+    # thread pools (asyncio's default executor, the tokenizer's) start threads lazily up to a
+    # fixed bound: one or two more after the soak is a pool filling, a leak grows with requests
+    assert after.threads <= baseline.threads + 2, (baseline, after)
     # a leaked task per abandoned request would add tens; allow for idle-connection bookkeeping
     assert state["event_loop_tasks"] <= warm_state["event_loop_tasks"] + 2, (warm_state, state)
     assert after.rss_bytes < baseline.rss_bytes * 1.10, (baseline, after)
