@@ -23,13 +23,16 @@ vllm: setup
 lint: setup
 	$(BIN)/ruff check sidecar harness tests bench grafana
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: setup sysdeps lint vllm
 	$(BIN)/pytest -q -rfEs
 
-# Fast tests only: no real vLLM.
+# Fast tests only: no real vLLM, and nothing that would install one (the tiny model's tokenizer
+# and config come from ensure_tokenizer_model(), made with this venv; KV_SIDECAR_NO_VLLM makes
+# any call that needs the vLLM venv fail at once, naming itself).
 unit: setup
-	$(BIN)/pytest -q -m "not vllm"
+	KV_SIDECAR_NO_VLLM=1 $(BIN)/pytest -q -m "not vllm"
 
 demo: setup vllm
 	$(BIN)/python -m harness.demo

@@ -17,36 +17,43 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from sidecar.admission import AdmissionController
-from sidecar.exporter import EngineInfo, Metrics
-from sidecar.geometry import UniformBlocks
-from sidecar.ledger import Ledger
-from sidecar.projection import project_counts
-from sidecar.vllm_metrics import EngineSnapshot
+from sidecar.admission.controller import AdmissionController
+from sidecar.engine.discovery import EngineConfig
+from sidecar.engine.snapshot import EngineSnapshot
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.ledger import Ledger
+from sidecar.kv.projection import project_counts
+from sidecar.observability.exporter import Metrics
 
 IN_FLIGHT = 1000
 BLOCKS = UniformBlocks(16, 2 * 1024 * 1024)
 
 
+ENGINE = EngineConfig(
+    model="m",
+    max_model_len=32768,
+    block_size=16,
+    num_gpu_blocks=1_000_000,
+    cache_dtype="auto",
+    prefix_caching=True,
+    blocks=UniformBlocks(16, 2 << 20),
+    bytes_per_block=2 << 20,
+)
+
+
 def snapshot() -> EngineSnapshot:
     return EngineSnapshot(
         taken_at=time.monotonic(),
-        wall_time=time.time(),
         block_size=16,
         num_gpu_blocks=1_000_000,
         engines=1,
         kv_cache_usage=0.4,
         running=IN_FLIGHT,
-        waiting=0,
         preemptions_total=0.0,
         generation_tokens_total=0.0,
-        prompt_tokens_total=0.0,
-        prefix_cache_hits_total=0.0,
-        prefix_cache_queries_total=0.0,
         cache_dtype="auto",
         prefix_caching=True,
         kv_cache_memory_bytes=None,
-        model_name="m",
         has_cache_config=True,
     )
 
@@ -97,7 +104,7 @@ def bench_render() -> list[float]:
     metrics = Metrics(
         registry,
         ac,
-        engine=lambda: EngineInfo("m", 16, 1_000_000, "auto", "true", 2 << 20),
+        engine=lambda: ENGINE,
         vllm_up=lambda: True,
         ready=lambda: True,
         scrape_errors=lambda: 0,
@@ -121,7 +128,7 @@ def bench_collect() -> list[float]:
     Metrics(
         registry,
         ac,
-        engine=lambda: EngineInfo("m", 16, 1_000_000, "auto", "true", 2 << 20),
+        engine=lambda: ENGINE,
         vllm_up=lambda: True,
         ready=lambda: True,
         scrape_errors=lambda: 0,
@@ -148,7 +155,7 @@ def render_lines() -> int:
     Metrics(
         registry,
         ac,
-        engine=lambda: EngineInfo("m", 16, 1_000_000, "auto", "true", 2 << 20),
+        engine=lambda: ENGINE,
         vllm_up=lambda: True,
         ready=lambda: True,
         scrape_errors=lambda: 0,

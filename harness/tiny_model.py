@@ -4,9 +4,16 @@ Nothing is downloaded: the tokenizer is a byte-level BPE trained here on generat
 weights are random. The text it generates is noise, which is fine: this model exists so that a
 real vLLM has real token counts, real KV blocks, real preemptions and real metrics.
 
-Runs inside the vLLM environment (it needs torch and transformers)::
+Two steps, so that what needs no torch never waits for the vLLM environment:
 
-    python harness/tiny_model.py OUT_DIR
+    python harness/tiny_model.py config DIR    # tokenizer, config.json, generation_config.json
+    python harness/tiny_model.py weights DIR   # model.safetensors for DIR's config.json
+
+``config`` needs only ``tokenizers`` and ``transformers`` (the sidecar's own dependencies: the
+project's venv runs it); ``weights`` needs torch (the vLLM venv runs it). ``weights`` reads the
+``config.json`` that ``config`` wrote and adds the weights file only, so the tokenizer and the
+config a unit test sees are byte for byte those the real vLLM serves. ``harness.vllm_cpu``
+(``ensure_tokenizer_model``, ``ensure_model``) runs both and caches the result.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 512
 #: 2 layers x 2 KV heads x head_dim 64 x bf16 x (K, V) = 1,024 bytes per token.
@@ -102,22 +110,30 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build_model(out: Path, vocab_size: int, bos: int, eos: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def config_for(vocab_size: int, bos: int, eos: int) -> Any:
+    """The model's ``LlamaConfig`` (no torch needed)."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size,
         bos_token_id=bos,
         eos_token_id=eos,
         pad_token_id=eos,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
         **MODEL,
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+
+
+def build_config(out: Path) -> None:
+    """``config.json`` and ``generation_config.json`` for the tokenizer already in ``out``."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(out)
+    config = config_for(len(tok), tok.bos_token_id, tok.eos_token_id)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     # save_pretrained writes `dtype` in new transformers; keep `torch_dtype` too for old readers.
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -125,20 +141,38 @@ def build_model(out: Path, vocab_size: int, bos: int, eos: int) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: tiny_model.py OUT_DIR", file=sys.stderr)
-        return 2
-    out = Path(argv[0])
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(tmp)
-    from transformers import AutoTokenizer
+def build_weights(model_dir: Path) -> None:
+    """Random bf16 weights for ``model_dir/config.json``; nothing else in the directory changes."""
+    import tempfile
 
-    tok = AutoTokenizer.from_pretrained(tmp)
-    build_model(tmp, len(tok), tok.bos_token_id, tok.eos_token_id)
-    tmp.rename(out)
-    print(f"tiny model written to {out}")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(model_dir)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with tempfile.TemporaryDirectory(dir=model_dir.parent) as scratch:
+        model.save_pretrained(scratch, safe_serialization=True)
+        written = sorted(Path(scratch).glob("model*.safetensors*"))
+        if not written:
+            raise RuntimeError(f"save_pretrained wrote no safetensors in {scratch}")
+        for path in written:  # model.safetensors (and an index, were it ever sharded)
+            path.rename(model_dir / path.name)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in ("config", "weights"):
+        print("usage: tiny_model.py {config|weights} DIR", file=sys.stderr)
+        return 2
+    out = Path(argv[1])
+    if argv[0] == "config":
+        out.mkdir(parents=True, exist_ok=True)
+        build_tokenizer(out)
+        build_config(out)
+        print(f"tokenizer and config written to {out}")
+    else:
+        build_weights(out)
+        print(f"weights written to {out}")
     return 0
 
 

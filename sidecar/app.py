@@ -1,21 +1,19 @@
-"""Wiring and lifecycle: one process, one event loop, one ledger, two ports.
+"""The composition root: build the parts, wire them, serve two ports, handle signals and drain.
 
-:class:`Sidecar` owns the long-lived parts (the shared ``httpx.AsyncClient``, the scraper, the
-ledger and admission controller, the prompt counter, the metrics registry) and discovers the engine
-(``/v1/models``, vLLM's cache config, the model's ``config.json`` and tokenizer when readable).
-:func:`serve` runs the proxy port and the metrics port on one loop and handles SIGTERM: not ready at
-once, new generation requests refused with 503, in-flight and startable queued requests given
-``--drain-timeout`` to finish, then exit 0.
+:class:`Sidecar` builds the long-lived parts once (the transports to vLLM, the scraper, the ledger
+and admission controller, the metrics registry, the proxy and ops apps) and swaps in the engine
+when discovery finds it (``sidecar.engine.discovery``). :func:`serve` runs the proxy port and the
+metrics port on one loop and handles SIGTERM: not ready at once, new generation requests refused
+with 503, in-flight and startable queued requests given ``--drain-timeout`` to finish, then exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.cookiejar
-import json
 import logging
-import math
 import os
 import signal
 import time
@@ -26,24 +24,27 @@ from typing import Any
 import httpx
 import uvicorn
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from sidecar.admission import AdmissionController
-from sidecar.exporter import EngineInfo, Metrics
-from sidecar.geometry import GeometryError, KVGeometry, ModelKV, UniformBlocks, load_config
-from sidecar.ledger import Ledger
-from sidecar.projection import BlockMath
-from sidecar.proxy import Proxy, Receive, Scope, Send
-from sidecar.scraper import Scraper
-from sidecar.settings import Settings
-from sidecar.tokens import PromptCounter
-from sidecar.upstream import UpstreamTransport
-from sidecar.vllm_metrics import EngineSnapshot
+from sidecar.admission.controller import AdmissionController
+from sidecar.config import Settings
+from sidecar.counting import PromptCounter
+from sidecar.engine.discovery import discover
+from sidecar.engine.scraper import Scraper
+from sidecar.engine.snapshot import EngineSnapshot
+from sidecar.errors import ConfigError
+from sidecar.http.generation import GenerationPath
+from sidecar.http.ops import Readiness, build_ops_app, finite
+from sidecar.http.proxy import Proxy
+from sidecar.http.relay import Relay
+from sidecar.http.seams import Engine, Traffic
+from sidecar.http.transport import UpstreamTransport
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.ledger import Ledger
+from sidecar.observability.exporter import Metrics
 
 log = logging.getLogger("sidecar")
 
 OWN_CONNECTIONS = 64  # the sidecar's own calls: scrapes, /health, discovery, /tokenize
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def make_transport(settings: Settings, max_connections: int | None = None) -> UpstreamTransport:
@@ -103,14 +104,13 @@ class _NoCookieJar(http.cookiejar.CookieJar):
 
 
 class Sidecar:
-    """The process's state and its engine discovery."""
+    """The process's long-lived parts, built and wired once; the engine swapped in when found."""
 
     def __init__(self, settings: Settings, *, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
         self.registry = registry if registry is not None else CollectorRegistry()
-        # the proxy's pool: Proxy sends on the transport directly, the client owns and closes it
+        # the proxy's pool: the relay sends on the transport directly (each client's own headers)
         self.transport = make_transport(settings)
-        self.client = make_client(settings, transport=self.transport)
         key = settings.upstream_api_key
         # the sidecar's own calls to vLLM carry vLLM's --api-key; clients' requests carry theirs
         self.own_client = make_client(
@@ -121,11 +121,9 @@ class Sidecar:
         self.scraper = Scraper(
             self.own_client, settings.upstream + "/metrics", interval=settings.scrape_interval
         )
-        # Until discovery knows the block size, nothing is admitted (engine_ready() is False).
-        self.blocks: BlockMath = UniformBlocks(16)
-        self.ledger = Ledger(self.blocks)
+        # Until discovery knows the block size, nothing is admitted (self.engine is None).
         self.admission = AdmissionController(
-            self.ledger,
+            Ledger(UniformBlocks(16)),
             policy=settings.policy,
             headroom=settings.headroom,
             max_queue_depth=settings.max_queue_depth,
@@ -136,47 +134,67 @@ class Sidecar:
             stale_after=settings.metrics_stale_after,
             stale_policy=settings.stale_policy,
         )
-        self.engine = EngineInfo()
-        self.counter = PromptCounter(
-            client=self.own_client,
-            upstream=settings.upstream,
-            served_model=None,
-            tokenizer_path=None,
-        )
-        self.max_model_len = settings.max_model_len or 0
-        self.geometry: KVGeometry | None = None
+        self.engine: Engine | None = None  # swapped whole by discovery, never edited in place
+        self.traffic = Traffic()
+        self.vllm_healthy = False
         self.metrics = Metrics(
             self.registry,
             self.admission,
-            engine=lambda: self.engine,
+            engine=lambda: self.engine.config if self.engine is not None else None,
             vllm_up=lambda: self.scraper.up,
             ready=self.ready,
             scrape_errors=lambda: self.scraper.errors_total,
             config_labels={
-                "policy": settings.policy,
-                "reservation": settings.reservation,
+                "policy": settings.policy.value,
+                "reservation": settings.reservation.value,
                 "headroom": str(settings.headroom),
-                "stale_policy": settings.stale_policy,
+                "stale_policy": settings.stale_policy.value,
             },
         )
-        self.discovered = False
+        relay = Relay(self.transport, settings.upstream, upstream_timeout(settings))
+        self.proxy = Proxy(
+            relay=relay,
+            generation=GenerationPath(
+                gate=self.admission,
+                engine=lambda: self.engine,
+                metrics=self.metrics,
+                relay=relay,
+                max_body_bytes=settings.max_body_bytes,
+            ),
+            traffic=self.traffic,
+            metrics=self.metrics,
+            max_headers=settings.max_headers,
+            max_header_bytes=settings.max_header_bytes,
+        )
+        self.ops = build_ops_app(
+            registry=self.registry,
+            readiness=self.readiness,
+            state=self.admission.state,
+            event_loop_tasks=self.event_loop_tasks,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
-        self.draining = False
-        self.passthrough_in_flight = 0  # non-generating requests being relayed
-        self.vllm_healthy = False
         self._discovery: asyncio.Task[None] | None = None
         self._health: asyncio.Task[None] | None = None
 
     # --- readiness ----------------------------------------------------------------------------
 
-    def engine_ready(self) -> bool:
+    @property
+    def discovered(self) -> bool:
         """Discovery is complete: block size, capacity, context length and counter are known."""
-        return self.discovered
+        return self.engine is not None
+
+    @property
+    def counter(self) -> PromptCounter | None:
+        return self.engine.counter if self.engine is not None else None  # type: ignore[return-value]
+
+    @property
+    def draining(self) -> bool:
+        return self.traffic.draining
 
     def ready(self) -> bool:
         return (
             self.discovered
-            and not self.draining
+            and not self.traffic.draining
             and self.vllm_healthy
             # the snapshot's age, not the last scrape's outcome: one failed scrape (a loop
             # lagging under a burst) must not take the pod out of service; stale data does
@@ -184,16 +202,16 @@ class Sidecar:
             and self.scraper.age() <= self.settings.metrics_stale_after
         )
 
-    def readiness(self) -> dict[str, Any]:
-        return {
-            "ready": self.ready(),
-            "discovered": self.discovered,
-            "draining": self.draining,
-            "vllm_up": self.scraper.up,
-            "vllm_healthy": self.vllm_healthy,
-            "vllm_metrics_age_seconds": _finite(self.scraper.age()),
-            "last_error": self.scraper.last_error,
-        }
+    def readiness(self) -> Readiness:
+        return Readiness(
+            ready=self.ready(),
+            discovered=self.discovered,
+            draining=self.traffic.draining,
+            vllm_up=self.scraper.up,
+            vllm_healthy=self.vllm_healthy,
+            vllm_metrics_age_seconds=finite(self.scraper.age()),
+            last_error=self.scraper.last_error,
+        )
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -212,17 +230,19 @@ class Sidecar:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.scraper.stop()
-        self.counter.close()
-        await self.client.aclose()
+        if self.engine is not None:
+            self.engine.counter.close()  # type: ignore[attr-defined]
+        await self.transport.aclose()
         await self.own_client.aclose()
 
     async def drain(self, deadline_seconds: float) -> None:
         """Stop admitting, let what runs (and queued requests that can still start) finish."""
-        self.draining = True
+        self.traffic.draining = True
         self.admission.draining = True
+        ledger = self.admission.ledger
         log.info(
             "draining: %d in flight, %d queued, deadline %.0fs",
-            len(self.ledger),
+            len(ledger),
             self.admission.queue_depth,
             deadline_seconds,
         )
@@ -231,11 +251,11 @@ class Sidecar:
         while self._busy() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         self.admission.fail_queue()
-        if len(self.ledger) or self.passthrough_in_flight:
+        if len(ledger) or self.traffic.passthrough_in_flight:
             log.warning(
                 "drain deadline reached with %d generation and %d other requests in flight",
-                len(self.ledger),
-                self.passthrough_in_flight,
+                len(ledger),
+                self.traffic.passthrough_in_flight,
             )
         else:
             log.info("drained")
@@ -245,18 +265,25 @@ class Sidecar:
         return len(asyncio.all_tasks(self._loop)) if self._loop is not None else 0
 
     def _busy(self) -> bool:
-        return bool(len(self.ledger) or self.admission.queue_depth or self.passthrough_in_flight)
+        return bool(
+            len(self.admission.ledger)
+            or self.admission.queue_depth
+            or self.traffic.passthrough_in_flight
+        )
 
     def _on_snapshot(self, snap: EngineSnapshot) -> None:
-        if self.discovered and snap.block_size and snap.block_size != self.blocks.block_size:
+        engine = self.engine
+        if engine is not None and snap.block_size and snap.block_size != engine.config.block_size:
             log.warning("vLLM's block size changed to %d; rediscovering", snap.block_size)
-            self.discovered = False
-            self._discovery = asyncio.ensure_future(self._discover_forever())
+            self.engine = None
+            self._discovery = asyncio.ensure_future(self._discover_forever(retire=engine))
             return
+        if engine is not None:
+            config = engine.config.with_snapshot(snap)
+            if config is not engine.config:
+                self.engine = dataclasses.replace(engine, config=config)
         self.admission.on_snapshot(snap)
         self.metrics.on_snapshot()
-        if snap.num_gpu_blocks:
-            self.engine.num_gpu_blocks = snap.num_gpu_blocks
 
     async def _check_health_forever(self) -> None:
         """vLLM's /health: its API can serve /metrics while its engine is dead (then 503)."""
@@ -287,183 +314,61 @@ class Sidecar:
 
     # --- discovery ----------------------------------------------------------------------------
 
-    async def _discover_forever(self) -> None:
+    async def _discover_forever(self, retire: Engine | None = None) -> None:
         failures = 0
         while True:
             try:
                 await self._discover()
-                return
-            except (httpx.HTTPError, LookupError, ValueError) as exc:
+                break
+            except (httpx.HTTPError, LookupError, ConfigError) as exc:
                 if failures == 0:
                     log.warning("waiting for vLLM at %s: %s", self.settings.upstream, exc)
                 failures += 1
             await asyncio.sleep(min(2.0, 0.25 * (failures + 1)))
+        if retire is not None:
+            retire.counter.close()  # type: ignore[attr-defined]
 
     async def _discover(self) -> None:
         settings = self.settings
-        resp = await self.own_client.get(settings.upstream + "/v1/models")
-        resp.raise_for_status()
-        models = resp.json().get("data") or []
-        if not models:
-            raise LookupError("vLLM lists no models")
-        entry = models[0]
-        if settings.served_model_name:
-            entry = next((m for m in models if m.get("id") == settings.served_model_name), entry)
-        served = str(entry.get("id"))
-        max_model_len = settings.max_model_len or int(entry.get("max_model_len") or 0)
-        if max_model_len <= 0:
-            raise LookupError("vLLM did not report max_model_len; set --max-model-len")
-
         snap = self.scraper.latest
         if snap is None:
             snap = await self.scraper.scrape_once()
-        if snap is None or not snap.block_size or not snap.num_gpu_blocks:
-            raise LookupError(
-                f"no cache config in vLLM's /metrics yet ({self.scraper.last_error or 'waiting'})"
-            )
-
-        model_dir = _model_dir(settings.model_config_path, entry.get("root"))
-        geometry: KVGeometry | None = None
-        if model_dir is not None:
-            try:
-                kv = ModelKV.from_config(
-                    load_config(model_dir), kv_cache_dtype=snap.cache_dtype or "auto"
-                )
-                geometry = KVGeometry.build(
-                    kv, block_size=snap.block_size, max_model_len=max_model_len
-                )
-            except GeometryError as exc:
-                if settings.model_config_path is not None:
-                    raise ValueError(f"--model-config: {exc}") from None
-                log.warning(
-                    "cannot size the model from %s (%s); assuming full attention", model_dir, exc
-                )
-        if geometry is not None:
-            blocks: BlockMath = geometry
-            bytes_per_block: int | None = geometry.bytes_per_block
-        else:
-            # Without a config, block math is exact for full-attention models; bytes come from
-            # vLLM's KV memory figure, which is only right when the pool was not overridden.
-            bytes_per_block = (
-                snap.kv_cache_memory_bytes // snap.num_gpu_blocks
-                if snap.kv_cache_memory_bytes
-                else None
-            )
-            blocks = UniformBlocks(snap.block_size, bytes_per_block)
-
-        tokenizer = settings.tokenizer
-        if tokenizer is None and model_dir is not None:
-            directory = model_dir if model_dir.is_dir() else model_dir.parent
-            if any((directory / name).exists() for name in _TOKENIZER_FILES):
-                tokenizer = directory
+        if snap is None:
+            raise LookupError(f"no scrape of vLLM's /metrics yet ({self.scraper.last_error})")
+        config = await discover(
+            self.own_client,
+            settings.upstream,
+            snap,
+            served_model_name=settings.served_model_name,
+            max_model_len=settings.max_model_len,
+            model_config_path=settings.model_config_path,
+            tokenizer=settings.tokenizer,
+        )
         counter = PromptCounter(
             client=self.own_client,
             upstream=settings.upstream,
-            served_model=served,
-            tokenizer_path=tokenizer,
+            served_model=config.model,
+            tokenizer_path=config.tokenizer_path,
+            max_model_len=config.max_model_len,
+            observer=self.metrics,
         )
         # Not ready until the tokenizer has loaded (or failed to): the load holds the GIL in long
         # stretches, and requests admitted meanwhile would stall seconds behind it.
         local = await counter.wait_ready()
-
-        self.blocks = blocks
-        self.ledger.blocks = blocks
-        self.geometry = geometry
-        self.max_model_len = max_model_len
-        self.counter.close()
-        self.counter = counter
-        self.engine = EngineInfo(
-            model=served,
-            block_size=snap.block_size,
-            num_gpu_blocks=snap.num_gpu_blocks,
-            cache_dtype=snap.cache_dtype or "",
-            prefix_caching=str(snap.prefix_caching).lower()
-            if snap.prefix_caching is not None
-            else "",
-            bytes_per_block=bytes_per_block,
-        )
+        self.admission.ledger.blocks = config.blocks
+        self.engine = Engine(config=config, counter=counter)
         self.admission.on_snapshot(snap)
-        self.discovered = True
         log.info(
             "vLLM discovered: model %s, max_model_len %d, %d blocks of %d tokens, %s bytes per "
             "block (%s), prompt counting %s",
-            served,
-            max_model_len,
-            snap.num_gpu_blocks,
-            snap.block_size,
-            bytes_per_block if bytes_per_block is not None else "unknown",
-            "model config" if geometry is not None else "no model config",
-            f"local tokenizer {tokenizer}" if local else "vLLM /tokenize",
+            config.model,
+            config.max_model_len,
+            config.num_gpu_blocks,
+            config.block_size,
+            config.bytes_per_block if config.bytes_per_block is not None else "unknown",
+            "model config" if config.model_dir is not None else "no model config",
+            f"local tokenizer {config.tokenizer_path}" if local else "vLLM /tokenize",
         )
-
-
-def _model_dir(explicit: Path | None, root: Any) -> Path | None:
-    if explicit is not None:
-        return explicit
-    if isinstance(root, str) and root:
-        path = Path(root)
-        with contextlib.suppress(OSError):
-            if (path / "config.json").is_file():
-                return path
-    return None
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-# --- the metrics port ---------------------------------------------------------------------------
-
-
-class OpsApp:
-    """The metrics port: /metrics, /healthz, /readyz (and /state, the ledger in JSON)."""
-
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sc = sidecar
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        path = scope["path"]
-        if path == "/metrics":
-            status, ctype, body = (
-                200,
-                CONTENT_TYPE_LATEST.encode(),
-                generate_latest(self.sc.registry),
-            )
-        elif path == "/healthz":
-            status, ctype, body = 200, b"text/plain", b"ok\n"
-        elif path == "/readyz":
-            info = self.sc.readiness()
-            status, ctype, body = (
-                (200 if info["ready"] else 503),
-                b"application/json",
-                json.dumps(info).encode(),
-            )
-        elif path == "/state":
-            data = _dataclass_dict(self.sc.admission.state())
-            data["event_loop_tasks"] = self.sc.event_loop_tasks()
-            status, ctype, body = 200, b"application/json", json.dumps(data).encode()
-        else:
-            status, ctype, body = 404, b"text/plain", b"not found\n"
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
-def _dataclass_dict(obj: Any) -> dict[str, Any]:
-    from dataclasses import fields
-
-    out: dict[str, Any] = {}
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        out[f.name] = _finite(value) if isinstance(value, float) else value
-    return out
 
 
 # --- serving ------------------------------------------------------------------------------------
@@ -496,8 +401,8 @@ def _uvicorn_config(app: Any, settings: Settings, port: int) -> uvicorn.Config:
 async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
     sidecar = Sidecar(settings)
     await sidecar.start()
-    proxy = _Server(_uvicorn_config(Proxy(sidecar), settings, settings.port))
-    ops = _Server(_uvicorn_config(OpsApp(sidecar), settings, settings.metrics_port))
+    proxy = _Server(_uvicorn_config(sidecar.proxy, settings, settings.port))
+    ops = _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port))
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     signals_seen: list[int] = []

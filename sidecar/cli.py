@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from sidecar import __version__
-from sidecar.geometry import (
+from sidecar.errors import ConfigError
+from sidecar.kv.geometry import (
     DEFAULT_MAX_CONCURRENT_BATCHES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     GIB,
-    GeometryError,
     KVGeometry,
     ModelKV,
     kv_cache_memory_bytes,
@@ -25,10 +25,6 @@ from sidecar.geometry import (
 )
 
 PROG = "kv-sidecar"
-
-
-class CLIError(Exception):
-    """An error the CLI reports in one line."""
 
 
 def _fmt_bytes(n: float) -> str:
@@ -79,7 +75,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     memory: int | None = None
     if args.kv_cache_memory_gib is not None:
         if args.kv_cache_memory_gib <= 0:
-            raise CLIError(
+            raise ConfigError(
                 f"--kv-cache-memory-gib must be positive, got {args.kv_cache_memory_gib}"
             )
         memory = int(args.kv_cache_memory_gib * GIB)
@@ -88,7 +84,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             args.gpu_memory_gib, args.gpu_memory_utilization, args.weights_gib
         )
     elif args.weights_gib:
-        raise CLIError("--weights-gib needs --gpu-memory-gib")
+        raise ConfigError("--weights-gib needs --gpu-memory-gib")
     if memory is not None:
         num_blocks = geo.num_blocks(memory)
         out.update(
@@ -217,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = plan(args)
             print(json.dumps(result) if args.json else _render_table(result))
             return 0
-    except (GeometryError, CLIError) as exc:
+    except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     return 2
@@ -227,7 +223,7 @@ def _serve(argv: list[str]) -> int:
     from pydantic import ValidationError
     from pydantic_settings import CliApp
 
-    from sidecar.settings import Settings
+    from sidecar.config import Settings
 
     try:
         settings = CliApp.run(Settings, cli_args=argv)

@@ -1,68 +1,102 @@
-"""The one place where refusals become HTTP: status, retry headers and OpenAI-shaped bodies.
+"""Every exception the sidecar raises on purpose, in one tree.
 
-Body shape: ``{"error": {"message", "type", "param", "code"}}`` as OpenAI and vLLM send it.
+::
+
+    SidecarError
+    ├── BadRequest            a request refused before it reaches vLLM (4xx, OpenAI-shaped)
+    │   └── PromptError       its prompt cannot be interpreted (vLLM would answer 400)
+    ├── ConfigError           a setting, model config or flag that cannot be used
+    │   └── GeometryError     a model config the KV geometry cannot size
+    ├── MetricsParseError     vLLM's /metrics text that cannot be read
+    └── UpstreamError         talking to vLLM failed
+        ├── UpstreamUnavailable   refused, or the request could not be sent
+        ├── UpstreamTimeout       no answer (or no next chunk) in time
+        └── UpstreamProtocolError reset or closed, or an answer that broke off or broke HTTP
+
+Expected refusals (KV full, queue full, ...) are values, not exceptions: see
+``sidecar.admission.decisions``. ``sidecar.http.refusals`` maps both to HTTP in one place, and
+``sidecar.http.transport.map_httpx_exceptions`` is the one translation of the HTTP client's
+errors into this tree. This module imports nothing but the standard library, so that the pure
+parts (``kv``, ``engine.snapshot``, ``counting``) can raise from it.
+
+>>> isinstance(PromptError("no prompt"), BadRequest), UpstreamTimeout.kind
+(True, 'timeout')
 """
 
 from __future__ import annotations
 
-import json
-import math
-
-from sidecar.admission import Decision
-from sidecar.request import BadRequest
-
-Headers = list[tuple[bytes, bytes]]
-
-#: reason label -> (HTTP status, OpenAI error type, error code)
-REFUSALS: dict[str, tuple[int, str, str]] = {
-    "kv_cache_full": (429, "rate_limit_error", "kv_cache_full"),
-    "queue_full": (429, "rate_limit_error", "queue_full"),
-    "queue_timeout": (429, "rate_limit_error", "queue_timeout"),
-    "too_large": (413, "invalid_request_error", "kv_budget_exceeded"),
-    "draining": (503, "service_unavailable_error", "draining"),
-    "stale_closed": (503, "service_unavailable_error", "engine_metrics_stale"),
-    "upstream_unavailable": (503, "service_unavailable_error", "upstream_unavailable"),
-    "not_ready": (503, "service_unavailable_error", "engine_not_ready"),
-    "upstream_timeout": (504, "timeout_error", "upstream_timeout"),
-}
+from typing import ClassVar
 
 
-def error_body(
-    message: str, *, type_: str, code: str | int | None, param: str | None = None
-) -> bytes:
-    return json.dumps(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    ).encode()
+class SidecarError(Exception):
+    """Base of every error the sidecar raises on purpose."""
 
 
-def retry_headers(seconds: float) -> Headers:
-    """``Retry-After`` in whole seconds (at least 1) and ``retry-after-ms``, as OpenAI sends."""
-    seconds = max(seconds, 0.001)
-    return [
-        (b"retry-after", str(max(1, math.ceil(seconds))).encode()),
-        (b"retry-after-ms", str(max(1, round(seconds * 1000))).encode()),
-    ]
+class BadRequest(SidecarError):
+    """A request refused before it reaches vLLM; mapped to an OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str = "invalid_request",
+        status: int = 400,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
 
 
-def refusal(reason: str, message: str, retry_after: float | None) -> tuple[int, Headers, bytes]:
-    status, type_, code = REFUSALS[reason]
-    headers: Headers = [(b"content-type", b"application/json")]
-    if retry_after is not None and status in (429, 503):
-        headers += retry_headers(retry_after)
-    return status, headers, error_body(message, type_=type_, code=code)
+class PromptError(BadRequest, ValueError):
+    """The body's prompt cannot be interpreted; vLLM would refuse it with a 400.
+
+    The message is one line, fit for an OpenAI-shaped error body.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(str(message), 1000), param="prompt")
 
 
-def from_decision(decision: Decision) -> tuple[int, Headers, bytes]:
-    return refusal(decision.reason, decision.message, decision.retry_after)
+class ConfigError(SidecarError, ValueError):
+    """A setting, flag or model config the sidecar cannot use."""
 
 
-def from_bad_request(exc: BadRequest) -> tuple[int, Headers, bytes]:
-    type_ = "invalid_request_error" if exc.status < 500 else "server_error"
-    body = error_body(exc.message, type_=type_, code=exc.code, param=exc.param)
-    return exc.status, [(b"content-type", b"application/json")], body
+class GeometryError(ConfigError):
+    """A model config the KV geometry cannot size."""
 
 
-def plain(status: int, message: str, *, code: str) -> tuple[int, Headers, bytes]:
-    """A refusal of the sidecar's own that is not an admission decision (bad target, ...)."""
-    body = error_body(message, type_="invalid_request_error", code=code)
-    return status, [(b"content-type", b"application/json")], body
+class MetricsParseError(SidecarError, ValueError):
+    """vLLM's /metrics text could not be read."""
+
+
+class UpstreamError(SidecarError):
+    """Talking to vLLM failed. ``kind`` is the ``upstream_errors_total`` label."""
+
+    kind: ClassVar[str] = "protocol"
+
+
+class UpstreamUnavailable(UpstreamError):
+    """vLLM refused the connection, or the request could not be written."""
+
+    kind = "connect"
+
+
+class UpstreamTimeout(UpstreamError):
+    """vLLM did not answer, or send its next chunk, in time."""
+
+    kind = "timeout"
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The connection was reset or closed, or vLLM's answer broke off or broke HTTP."""
+
+    kind = "protocol"
+
+
+def one_line(message: str, limit: int = 300) -> str:
+    """``message`` on one line, at most ``limit`` characters (for logs and error bodies)."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

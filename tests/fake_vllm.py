@@ -12,10 +12,12 @@ It is a pure ASGI app (:class:`FakeVllm`) served by uvicorn on a loopback port i
 sidecar. Knobs are plain attributes, read on each request; the log and counters are written by the
 server thread only.
 
->>> fake = FakeVllm(model_root=write_model_dir(tmp_path / "tiny"))
->>> with FakeServer(fake) as server:
-...     fake.kv_cache_usage = 0.9
-...     httpx.get(server.url + "/metrics").text  # the fixture text, with usage 0.9
+Usage (``tmp_path`` is pytest's)::
+
+    fake = FakeVllm(model_root=write_model_dir(tmp_path / "tiny"))
+    with FakeServer(fake) as server:
+        fake.kv_cache_usage = 0.9
+        httpx.get(server.url + "/metrics").text  # the fixture text, with usage 0.9
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 - :func:`proc_stats`: a process's RSS, threads and open file descriptors, read from ``/proc``
   (psutil is not a dependency).
-- :class:`ThreadedSidecar`: the real sidecar (``Sidecar`` with the ``Proxy`` and ``OpsApp`` apps on
+- :class:`ThreadedSidecar`: the real sidecar (``Sidecar`` with its proxy and ops apps on
   uvicorn, wired as ``serve()`` wires them) on its own event loop in a thread, so synchronous
   tests (hypothesis, raw sockets) can drive it over real HTTP and still look at its ledger.
 - :class:`ToughFake`: the fake vLLM of ``tests/fake_vllm.py`` with a few more knobs: a firehose
@@ -12,7 +12,7 @@
 
     with FakeServer(ToughFake(model_root=model_dir)) as fake, ThreadedSidecar(fake.url) as sc:
         httpx.post(sc.url + "/v1/completions", json={...})
-        assert sc.call(lambda: len(sc.sidecar.ledger)) == 0
+        assert sc.call(lambda: len(sc.sidecar.admission.ledger)) == 0
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from urllib.parse import parse_qs
 
 import httpx
 
-from sidecar.app import OpsApp, Sidecar, _Server, _uvicorn_config
-from sidecar.proxy import Proxy
-from sidecar.settings import Settings
+from sidecar.app import Sidecar, _Server, _uvicorn_config
+from sidecar.config import Settings
 from tests.fake_vllm import FakeVllm, Message, Receive, Scope, Send, bound_socket, respond
 
 T = TypeVar("T")
@@ -149,7 +148,7 @@ class ThreadedSidecar:
         """Totals as the ledger keeps them, and as re-summed from its reservations."""
 
         def read() -> dict[str, int]:
-            ledger = self.sc.ledger
+            ledger = self.sc.admission.ledger
             reservations = list(ledger)
             return {
                 "in_flight": len(ledger),
@@ -174,8 +173,8 @@ class ThreadedSidecar:
         self.sidecar = Sidecar(self.settings)
         await self.sidecar.start()
         for app, sock in (
-            (Proxy(self.sidecar), self._socks[0]),
-            (OpsApp(self.sidecar), self._socks[1]),
+            (self.sidecar.proxy, self._socks[0]),
+            (self.sidecar.ops, self._socks[1]),
         ):
             port = sock.getsockname()[1]
             server = _Server(_uvicorn_config(app, self.settings, port))

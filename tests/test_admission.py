@@ -6,11 +6,12 @@ import asyncio
 
 import pytest
 
-from sidecar.admission import AdmissionController, CompletionLearner, Outcome
-from sidecar.geometry import UniformBlocks
-from sidecar.ledger import Ledger
-from sidecar.projection import Projection, project_counts
-from sidecar.vllm_metrics import EngineSnapshot
+from sidecar.admission.controller import AdmissionController, CompletionLearner
+from sidecar.admission.decisions import Outcome
+from sidecar.engine.snapshot import EngineSnapshot
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.ledger import Ledger
+from sidecar.kv.projection import Projection, project_counts
 
 BLOCKS = UniformBlocks(128)
 
@@ -35,22 +36,16 @@ def snapshot(
     capacity = blocks - 1
     return EngineSnapshot(
         taken_at=clock(),
-        wall_time=0.0,
         block_size=128,
         num_gpu_blocks=blocks,
         engines=1,
         kv_cache_usage=used / capacity,
         running=running,
-        waiting=0,
         preemptions_total=preemptions,
         generation_tokens_total=generated,
-        prompt_tokens_total=0.0,
-        prefix_cache_hits_total=0.0,
-        prefix_cache_queries_total=0.0,
         cache_dtype="auto",
         prefix_caching=True,
         kv_cache_memory_bytes=None,
-        model_name="tiny",
         has_cache_config=True,
     )
 

@@ -28,7 +28,7 @@ import pytest
 import yaml
 from pydantic import AliasChoices
 
-from sidecar.settings import Settings
+from sidecar.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -11,11 +11,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.admission import AdmissionController
-from sidecar.exporter import EngineInfo, Metrics
-from sidecar.geometry import UniformBlocks
-from sidecar.ledger import Ledger
-from sidecar.projection import project_counts
+from sidecar.admission.controller import AdmissionController
+from sidecar.engine.discovery import EngineConfig
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.ledger import Ledger
+from sidecar.kv.projection import project_counts
+from sidecar.observability.exporter import Metrics
 from tests.test_admission import Clock, snapshot
 
 DOCS = Path(__file__).parent.parent / "docs" / "metrics.md"
@@ -41,7 +42,16 @@ def build() -> tuple[CollectorRegistry, Metrics, AdmissionController, Clock]:
     metrics = Metrics(
         registry,
         ac,
-        engine=lambda: EngineInfo("tiny", 128, 64, "auto", "true", 131_072),
+        engine=lambda: EngineConfig(
+            model="tiny",
+            max_model_len=1024,
+            block_size=128,
+            num_gpu_blocks=64,
+            cache_dtype="auto",
+            prefix_caching=True,
+            blocks=UniformBlocks(128, 131_072),
+            bytes_per_block=131_072,
+        ),
         vllm_up=lambda: True,
         ready=lambda: True,
         scrape_errors=lambda: 3,

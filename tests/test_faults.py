@@ -98,9 +98,10 @@ async def read_stream(
     out.ended_at = time.monotonic()
 
 
-def completion_body(prompt: str, max_tokens: int, *, stream: bool) -> dict[str, Any]:
+def completion_body(prompt: str, max_tokens: int, *, stream: bool, model: str) -> dict[str, Any]:
+    """A completion of exactly ``max_tokens`` tokens for the real vLLM serving ``model``."""
     body: dict[str, Any] = {
-        "model": "tiny",
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
@@ -131,6 +132,7 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
     sc: SidecarProcess | None = None
     try:
         assert server.model_dir is not None and server.proc is not None
+        model = server.info().served_name
         prompts = make_prompts(server.model_dir, 6, 100, seed=23)
         sc = SidecarProcess(
             server.url, "--scrape-interval", "0.2", "--metrics-stale-after", "2"
@@ -141,13 +143,16 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
             streams = [Stream() for _ in range(4)]
             tasks = [
                 asyncio.ensure_future(
-                    read_stream(client, sc.url, completion_body(p, 900, stream=True), s)
+                    read_stream(
+                        client, sc.url, completion_body(p, 900, stream=True, model=model), s
+                    )
                 )
                 for p, s in zip(prompts, streams, strict=False)
             ]
             plain = asyncio.ensure_future(
                 client.post(
-                    sc.url + "/v1/completions", json=completion_body(prompts[4], 900, stream=False)
+                    sc.url + "/v1/completions",
+                    json=completion_body(prompts[4], 900, stream=False, model=model),
                 )
             )
             # All five in flight at the sidecar, every stream's headers relayed (vLLM accepted
@@ -159,7 +164,10 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
                 before = await asyncio.to_thread(state, sc)
                 if before["in_flight"] == 5 and all(s.status == 200 for s in streams):
                     break
-                assert time.monotonic() < deadline, (before, streams)
+                assert time.monotonic() < deadline, (
+                    f"the five requests not all in flight with their headers relayed within "
+                    f"120 s: {before}, {streams}"
+                )
                 assert not any(t.done() for t in tasks), (before, streams, sc.log()[-3000:])
                 await asyncio.sleep(0.01)
             os.killpg(server.proc.pid, signal.SIGSTOP)
@@ -181,14 +189,14 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
             stream_end_s = max(s.ended_at or 0 for s in streams) - killed_at
 
             await asyncio.to_thread(
-                wait_for, lambda: ledger_empty(sc), "reservations released", 5.0, 0.02
+                wait_for, lambda: ledger_empty(sc), "reservations released after the kill", 30, 0.02
             )
             released_s = time.monotonic() - killed_at
             await asyncio.to_thread(
                 wait_for,
                 lambda: httpx.get(sc.metrics_url + "/readyz", timeout=5).status_code == 503,
-                "/readyz false",
-                10.0,
+                "/readyz 503 after the kill",
+                30.0,
                 0.02,
             )
             unready_s = time.monotonic() - killed_at
@@ -196,7 +204,8 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
             # while vLLM is down: 503 + Retry-After for generation (streamed or not), pass-through
             for stream in (False, True):
                 resp = await client.post(
-                    sc.url + "/v1/completions", json=completion_body(prompts[5], 16, stream=stream)
+                    sc.url + "/v1/completions",
+                    json=completion_body(prompts[5], 16, stream=stream, model=model),
                 )
                 assert_503_retry(resp, "upstream_unavailable")
             assert_503_retry(await client.get(sc.url + "/v1/models"), "upstream_unavailable")
@@ -215,21 +224,26 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
             ready_again_s = await asyncio.to_thread(
                 wait_for,
                 lambda: httpx.get(sc.metrics_url + "/readyz", timeout=5).status_code == 200,
-                "/readyz true again",
-                30.0,
+                "/readyz 200 once vLLM is healthy again",
+                60.0,
                 0.05,
             )
             assert sc.proc is not None and sc.proc.poll() is None and sc.proc.pid == pid
             ok = Stream()
-            await read_stream(client, sc.url, completion_body(prompts[5], 40, stream=True), ok)
+            await read_stream(
+                client, sc.url, completion_body(prompts[5], 40, stream=True, model=model), ok
+            )
             # every token, by vLLM's own count (it may merge tokens into fewer events)
             assert ok.status == 200 and ok.done and ok.completion_tokens == 40, ok
             resp = await client.post(
-                sc.url + "/v1/completions", json=completion_body(prompts[0], 40, stream=False)
+                sc.url + "/v1/completions",
+                json=completion_body(prompts[0], 40, stream=False, model=model),
             )
             assert resp.status_code == 200, resp.text
             assert resp.json()["usage"]["completion_tokens"] == 40
-            await asyncio.to_thread(wait_for, lambda: ledger_empty(sc), "ledger empty", 5.0)
+            await asyncio.to_thread(
+                wait_for, lambda: ledger_empty(sc), "ledger empty after the last answer", 30
+            )
         log = sc.log()
         assert "vLLM metrics scrape failing" in log
         assert "vLLM metrics back after" in log
@@ -260,10 +274,21 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
 
 FAULT_MODES = ["hang", "error", "garbage", "no_cache_config"]
 STALE_AFTER = 0.5
+#: The name the fake vLLM serves (``tests/fake_vllm.py``); the real-vLLM tests ask the server.
+FAKE_MODEL = "tiny"
 # 7 sequences of 10 + 1000 tokens: 56 blocks of 128, of a budget of floor(63 x 0.95) = 59
-HOG = {"model": "tiny", "prompt": "a b c d e f g h i", "max_tokens": 1000, "n": 7, "stream": True}
-SMALL = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 16}
-EIGHT_BLOCKS = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 1000}
+HOG = {
+    "model": FAKE_MODEL,
+    "prompt": "a b c d e f g h i",
+    "max_tokens": 1000,
+    "n": 7,
+    "stream": True,
+}
+SMALL = {"model": FAKE_MODEL, "prompt": "the quick brown fox", "max_tokens": 16}
+EIGHT_BLOCKS = {"model": FAKE_MODEL, "prompt": "the quick brown fox", "max_tokens": 1000}
+#: Deadline for a wait on the fake's or the sidecar's next scrape or release: generous for a
+#: loaded 2-core machine (each is expected in well under a second; the figures say how long).
+SETTLES_WITHIN = 10.0
 
 
 @pytest.fixture
@@ -300,7 +325,6 @@ def hog(url: str) -> Iterator[None]:
         thread.join(10)
 
 
-
 @pytest.mark.parametrize("mode", FAULT_MODES)
 def test_vllm_metrics_fault_falls_back_to_the_ledger_and_recovers(
     fake: FakeServer, mode: str, caplog: pytest.LogCaptureFixture, record_property: Record
@@ -313,15 +337,23 @@ def test_vllm_metrics_fault_falls_back_to_the_ledger_and_recovers(
         client = httpx.Client(timeout=30, trust_env=False)
         # fresh engine data: vLLM says its cache is full, so the gate refuses
         app.kv_cache_usage = 0.99
-        wait_for(lambda: sc.call(lambda: sc.sc.admission.committed_blocks()) >= 60, "full", 2)
+        wait_for(
+            lambda: sc.call(lambda: sc.sc.admission.committed_blocks()) >= 60,
+            "vLLM's full cache (usage 0.99) scraped into the sidecar's committed blocks",
+            SETTLES_WITHIN,
+        )
         resp = client.post(sc.url + "/v1/completions", json=SMALL)
         assert resp.status_code == 429 and _error_code(resp) == "kv_cache_full"
 
         app.metrics_mode = mode  # type: ignore[assignment]
         t0 = time.monotonic()
-        stale_s = wait_for(lambda: sc.call(sc.sc.admission.is_stale), "stale", 5)
+        stale_s = wait_for(
+            lambda: sc.call(sc.sc.admission.is_stale), "engine data stale", SETTLES_WITHIN
+        )
         unready_s = wait_for(
-            lambda: client.get(sc.ops_url + "/readyz").status_code == 503, "unready", 5
+            lambda: client.get(sc.ops_url + "/readyz").status_code == 503,
+            "/readyz 503 on stale data",
+            SETTLES_WITHIN,
         )
         unready_s = time.monotonic() - t0
         # the ledger alone: vLLM's last word (full) no longer counts ...
@@ -332,10 +364,10 @@ def test_vllm_metrics_fault_falls_back_to_the_ledger_and_recovers(
         with hog(sc.url):
             resp = client.post(sc.url + "/v1/completions", json=EIGHT_BLOCKS)
             assert resp.status_code == 429 and _error_code(resp) == "kv_cache_full", resp.text
-        wait_for(sc.ledger_empty, "hog released", 2)
+        wait_for(sc.ledger_empty, "the hog's reservation released", SETTLES_WITHIN)
 
         # says so: in metrics ...
-        wait_for(lambda: sc.sample("kv_sidecar_vllm_up") == 0.0, "vllm_up 0", 5)
+        wait_for(lambda: sc.sample("kv_sidecar_vllm_up") == 0.0, "vllm_up 0", SETTLES_WITHIN)
         ops = client.get(sc.ops_url + "/metrics").text
         age = metric_value(ops, "kv_sidecar_vllm_metrics_age_seconds")
         assert age is not None and age > STALE_AFTER
@@ -345,14 +377,20 @@ def test_vllm_metrics_fault_falls_back_to_the_ledger_and_recovers(
         assert readyz["vllm_up"] is False and readyz["last_error"], readyz
         # ... and in logs
         wait_for(
-            lambda: any("scrape failing" in r.getMessage() for r in caplog.records), "logged", 5
+            lambda: any("scrape failing" in r.getMessage() for r in caplog.records),
+            "a 'scrape failing' log line",
+            SETTLES_WITHIN,
         )
 
         # recovery
         app.metrics_mode = "ok"
         app.kv_cache_usage = 0.0
         t1 = time.monotonic()
-        wait_for(lambda: client.get(sc.ops_url + "/readyz").status_code == 200, "ready", 5)
+        wait_for(
+            lambda: client.get(sc.ops_url + "/readyz").status_code == 200,
+            "/readyz 200 once /metrics answers again",
+            SETTLES_WITHIN,
+        )
         ready_again_s = time.monotonic() - t1
         assert not sc.call(sc.sc.admission.is_stale)
         resp = client.post(sc.url + "/v1/completions", json=SMALL)
@@ -362,7 +400,11 @@ def test_vllm_metrics_fault_falls_back_to_the_ledger_and_recovers(
         assert any("metrics back after" in r.getMessage() for r in caplog.records)
         # engine data counts again: vLLM full -> refused
         app.kv_cache_usage = 0.99
-        wait_for(lambda: sc.call(lambda: sc.sc.admission.committed_blocks()) >= 60, "full", 2)
+        wait_for(
+            lambda: sc.call(lambda: sc.sc.admission.committed_blocks()) >= 60,
+            "vLLM's full cache counted again after the recovery",
+            SETTLES_WITHIN,
+        )
         resp = client.post(sc.url + "/v1/completions", json=SMALL)
         assert resp.status_code == 429
         assert sc.ledger_empty()
@@ -389,8 +431,14 @@ def test_stale_policy_closed_refuses_with_503_and_recovers(
         assert client.post(sc.url + "/v1/completions", json=SMALL).status_code == 200
         app.metrics_mode = "error"
         t0 = time.monotonic()
-        wait_for(lambda: client.get(sc.metrics_url + "/readyz").status_code == 503, "stale", 5)
-        wait_for(lambda: state(sc)["snapshot_age"] > 0.5, "stale", 5)
+        wait_for(
+            lambda: client.get(sc.metrics_url + "/readyz").status_code == 503,
+            "/readyz 503 once /metrics fails",
+            SETTLES_WITHIN,
+        )
+        wait_for(
+            lambda: state(sc)["snapshot_age"] > 0.5, "the snapshot older than 0.5 s", SETTLES_WITHIN
+        )
         resp = client.post(sc.url + "/v1/completions", json=SMALL)
         refused_s = time.monotonic() - t0
         assert_503_retry(resp, "engine_metrics_stale")
@@ -401,10 +449,14 @@ def test_stale_policy_closed_refuses_with_503_and_recovers(
         assert 'stale_policy="closed"' in ops
         app.metrics_mode = "ok"
         t1 = time.monotonic()
-        wait_for(lambda: client.get(sc.metrics_url + "/readyz").status_code == 200, "ready", 5)
+        wait_for(
+            lambda: client.get(sc.metrics_url + "/readyz").status_code == 200,
+            "/readyz 200 once /metrics answers again",
+            SETTLES_WITHIN,
+        )
         assert client.post(sc.url + "/v1/completions", json=SMALL).status_code == 200
         back_s = time.monotonic() - t1
-        wait_for(lambda: ledger_empty(sc), "ledger empty", 2)
+        wait_for(lambda: ledger_empty(sc), "ledger empty", SETTLES_WITHIN)
     log = sc.log()
     assert "vLLM metrics scrape failing" in log and "HTTP 500" in log
     assert "vLLM metrics back after" in log
@@ -421,7 +473,10 @@ def test_stale_policy_closed_refuses_with_503_and_recovers(
 # --- clients that go away: queued, mid-prefill, mid-stream, mid-generation (real vLLM) ---------
 
 #: The sidecar's part: the reservation is back within this (and the queue slot, for a queued one).
-RELEASE_WITHIN = 1.0
+#: The release runs as soon as the sidecar sees the client gone (measured 0.01 to 0.24 s, the
+#: figures report it); the deadline is generous so that a loaded 2-core machine, where one
+#: /state read can take a second, does not fail a release that happened.
+RELEASE_WITHIN = 5.0
 #: vLLM's part: its running gauge reaches 0. vLLM publishes it from its engine loop and serves
 #: /metrics from its busy API loop (on a loaded 2-core machine a read alone took up to 3 s, and
 #: the gauge lagged up to 5.5 s behind an abort), so the proof that the generation was cut
@@ -506,10 +561,13 @@ def _empty(s: dict[str, Any]) -> bool:
 
 
 def read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
-    """Read from ``sock`` until ``marker`` has arrived; what was read."""
-    sock.settimeout(timeout)
+    """Read from ``sock`` until ``marker`` has arrived, within ``timeout`` s; what was read."""
+    deadline = time.monotonic() + timeout
     data = b""
     while marker not in data:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {marker!r} within {timeout} s: {data[-300:]!r}"
+        sock.settimeout(left)
         chunk = sock.recv(4096)
         assert chunk, f"closed before {marker!r}: {data[-300:]!r}"
         data += chunk
@@ -528,15 +586,16 @@ def paused(server: VllmServer | None) -> Iterator[None]:
 
 
 @pytest.mark.vllm
-async def test_client_disconnects_abort_upstream_and_release_within_a_second(
+async def test_client_disconnects_abort_upstream_and_release_the_reservation(
     vllm: VllmInfo, record_property: Record
 ) -> None:
     assert vllm.model_dir is not None
     if vllm.server is None:
         pytest.skip("pauses its vLLM with SIGSTOP: not an external one")
+    model = vllm.served_name
     prompt_tokens = 100
     max_tokens = min(900, vllm.max_model_len - prompt_tokens - 1)
-    blocks_each = -(-(prompt_tokens + max_tokens) // vllm.block_size)
+    blocks_each = vllm.blocks_for(prompt_tokens + max_tokens)
     # room in the budget for one such request, not two: the second one queues
     headroom = 1 - (1.5 * blocks_each) / (vllm.num_gpu_blocks - 1)
     short = make_prompts(vllm.model_dir, 5, prompt_tokens, seed=31)
@@ -557,14 +616,14 @@ async def test_client_disconnects_abort_upstream_and_release_within_a_second(
             holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             holder.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             holder.connect(("127.0.0.1", sc.port))
-            holder.sendall(raw_post(completion_body(short[0], max_tokens, stream=True)))
+            holder.sendall(
+                raw_post(completion_body(short[0], max_tokens, stream=True, model=model))
+            )
             await asyncio.to_thread(read_until, holder, b"data: {", 120)  # prefilled, decoding
-            body_b = completion_body(short[1], max_tokens, stream=True)
+            body_b = completion_body(short[1], max_tokens, stream=True, model=model)
             with paused(vllm.server):
-                task_b = asyncio.ensure_future(
-                    client.post(sc.url + "/v1/completions", json=body_b)
-                )
-                await sidecar_until(client, sc, "queueing B", lambda s: s["queue_depth"] == 1, 10)
+                task_b = asyncio.ensure_future(client.post(sc.url + "/v1/completions", json=body_b))
+                await sidecar_until(client, sc, "queueing B", lambda s: s["queue_depth"] == 1, 30)
                 task_b.cancel()  # B leaves while queued
                 t0 = time.monotonic()
                 await asyncio.gather(task_b, return_exceptions=True)
@@ -587,7 +646,7 @@ async def test_client_disconnects_abort_upstream_and_release_within_a_second(
 
             # A leaves mid-stream, after a few events
             a = Stream()
-            body_a = completion_body(short[2], max_tokens, stream=True)
+            body_a = completion_body(short[2], max_tokens, stream=True, model=model)
             async with client.stream("POST", sc.url + "/v1/completions", json=body_a) as resp:
                 async for line in resp.aiter_lines():
                     a.events += line.startswith("data: {")
@@ -609,7 +668,7 @@ async def test_client_disconnects_abort_upstream_and_release_within_a_second(
             # C leaves during its prefill: admitted and forwarded, no token back yet. The window
             # is one prefill long (tens of ms): a few tries to close the socket inside it.
             c_max_tokens = vllm.max_model_len - 901
-            request = raw_post(completion_body(long_prompt, c_max_tokens, stream=True))
+            request = raw_post(completion_body(long_prompt, c_max_tokens, stream=True, model=model))
             in_prefill = False
             tries = 0
             while not in_prefill and tries < 8:
@@ -617,8 +676,10 @@ async def test_client_disconnects_abort_upstream_and_release_within_a_second(
                 before = await engine.settled()
                 sock = socket.create_connection(("127.0.0.1", sc.port))
                 sock.sendall(request)
+                # no sleep between reads: the window is one prefill long
+                admitted_by = time.monotonic() + 30
                 while (s := (await client.get(sc.metrics_url + "/state")).json())["in_flight"] < 1:
-                    pass
+                    assert time.monotonic() < admitted_by, f"C not admitted within 30 s: {s}"
                 sock.close()
                 t0 = time.monotonic()
                 in_prefill = s["predicted_blocks"] == 0  # no token had reached the sidecar yet
@@ -637,12 +698,17 @@ async def test_client_disconnects_abort_upstream_and_release_within_a_second(
             assert in_prefill, f"never closed inside a prefill in {tries} tries"
             out["mid_prefill_tries"] = tries
 
-            # D leaves while vLLM generates its (non-streamed) answer
+            # D leaves while vLLM generates its (non-streamed) answer: once vLLM's own count of
+            # generated tokens has moved (D is decoding), however fast or slow the machine is
             before = await engine.settled()
-            body_d = completion_body(short[3], max_tokens, stream=False)
+            body_d = completion_body(short[3], max_tokens, stream=False, model=model)
             task_d = asyncio.ensure_future(client.post(sc.url + "/v1/completions", json=body_d))
-            await sidecar_until(client, sc, "D admitted", lambda s: s["in_flight"] == 1, 10)
-            await asyncio.sleep(0.3)  # into the answer, far from its 900th token
+            await sidecar_until(client, sc, "D admitted", lambda s: s["in_flight"] == 1, 30)
+            out["non_streamed_left_after_s"] = await engine.until(
+                "generating D's answer",
+                lambda v: v["generated"] > before["generated"],
+                60,
+            )
             task_d.cancel()
             t0 = time.monotonic()
             await asyncio.gather(task_d, return_exceptions=True)
@@ -658,10 +724,11 @@ async def test_client_disconnects_abort_upstream_and_release_within_a_second(
 
             # still serving: a whole answer goes through
             resp = await client.post(
-                sc.url + "/v1/completions", json=completion_body(short[4], 20, stream=False)
+                sc.url + "/v1/completions",
+                json=completion_body(short[4], 20, stream=False, model=model),
             )
             assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 20
-            await sidecar_until(client, sc, "empty", _empty, 2.0)
+            await sidecar_until(client, sc, "empty after the last answer", _empty, RELEASE_WITHIN)
         assert "Traceback" not in sc.log()
     finally:
         sc.stop()
@@ -742,7 +809,7 @@ def test_slow_reader_memory_stays_flat_and_upstream_is_throttled(
     else:
         body = json.dumps(
             {
-                "model": "tiny",
+                "model": FAKE_MODEL,
                 "prompt": "a slow reader",
                 "max_tokens": 16,
                 "stream": True,
@@ -770,7 +837,11 @@ def test_slow_reader_memory_stays_flat_and_upstream_is_throttled(
     client_rate = (half[-1][2] - half[0][2]) / (half[-1][0] - half[0][0])
     in_transit = app.firehose_sent - out["received"]
     # the client went away: the upstream stream is cancelled, nothing stays held
-    wait_for(lambda: app.aborted == aborted + 1 and app.in_flight == 0, "upstream aborted", 5)
+    wait_for(
+        lambda: app.aborted == aborted + 1 and app.in_flight == 0,
+        "the upstream stream cancelled after the client left",
+        SETTLES_WITHIN,
+    )
     assert not app.firehose_done
     assert app.firehose_sent < total / 8, app.firehose_sent  # throttled, not drained
     # what the upstream got rid of sits in kernel socket buffers (tcp_rmem/tcp_wmem bound them,
@@ -779,7 +850,7 @@ def test_slow_reader_memory_stays_flat_and_upstream_is_throttled(
     assert rss_growth < 16 * 2**20, rss_growth
     assert rss_drift < 4 * 2**20, out["rss"]
     if route == "generation":
-        wait_for(lambda: ledger_empty(sc), "reservation released", 1.0)
+        wait_for(lambda: ledger_empty(sc), "reservation released", SETTLES_WITHIN)
     figures(
         record_property,
         f"slow_reader_{route}",
@@ -821,7 +892,7 @@ def raise_fd_limit(needed: int) -> None:
 def body_of_size(size: int, *, stream: bool) -> bytes:
     """A completion body of exactly ``size`` bytes: a prompt of 64-byte words."""
     word = "abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnopqrstuvwxyz0"
-    head = {"model": "tiny", "max_tokens": 16, "stream": stream, "prompt": ""}
+    head = {"model": FAKE_MODEL, "max_tokens": 16, "stream": stream, "prompt": ""}
     empty = len(json.dumps(head).encode())
     words, rest = divmod(size - empty, len(word) + 1)
     prompt = (word + " ") * words + "x" * rest
@@ -890,7 +961,7 @@ async def test_thousand_concurrent_connections_and_1mb_bodies(
                             raw = body_of_size(BODY_LIMIT, stream=i % 2 == 0)
                             resp = await client.post(sc.url + "/v1/completions", content=raw)
                         elif kind == "stream":
-                            body = {"model": "tiny", "prompt": f"req {i}", "max_tokens": 16}
+                            body = {"model": FAKE_MODEL, "prompt": f"req {i}", "max_tokens": 16}
                             async with client.stream(
                                 "POST", sc.url + "/v1/completions", json=body | {"stream": True}
                             ) as resp:
@@ -898,11 +969,11 @@ async def test_thousand_concurrent_connections_and_1mb_bodies(
                             done = resp.status_code != 200 or text.endswith("data: [DONE]\n\n")
                             return kind, resp.status_code, "" if done else "no [DONE]"
                         elif kind == "plain":
-                            body = {"model": "tiny", "prompt": f"req {i}", "max_tokens": 16}
+                            body = {"model": FAKE_MODEL, "prompt": f"req {i}", "max_tokens": 16}
                             resp = await client.post(sc.url + "/v1/completions", json=body)
                         elif kind == "chat":
                             messages = [{"role": "user", "content": f"req {i}"}]
-                            body = {"model": "tiny", "messages": messages, "max_tokens": 16}
+                            body = {"model": FAKE_MODEL, "messages": messages, "max_tokens": 16}
                             resp = await client.post(sc.url + "/v1/chat/completions", json=body)
                         else:
                             resp = await client.get(sc.url + "/slow?chunks=20&delay=0.25&size=256")
@@ -932,7 +1003,9 @@ async def test_thousand_concurrent_connections_and_1mb_bodies(
                 elapsed = time.monotonic() - t0
             sampling = False
             sampler.join(5)
-            await asyncio.to_thread(wait_for, lambda: ledger_empty(sc), "ledger empty", 5)
+            await asyncio.to_thread(
+                wait_for, lambda: ledger_empty(sc), "ledger empty after the burst", 30
+            )
             # pooled upstream connections expire (2 s keep-alive) and close at the next use
             await asyncio.to_thread(
                 wait_for, lambda: proc_stats(pid).fds <= baseline.fds + 8, "sockets closed", 20, 0.2
@@ -996,7 +1069,7 @@ def test_sigterm_lets_pass_through_requests_finish(fake: FakeServer) -> None:
 
         reader = threading.Thread(target=slow_read)
         reader.start()
-        wait_for(lambda: fake.app.in_flight == 1, "the pass-through started", 5)
+        wait_for(lambda: fake.app.in_flight == 1, "the pass-through started", SETTLES_WITHIN)
         sc.proc.send_signal(signal.SIGTERM)
         reader.join(30)
         assert outcome == [(200, 1200)], outcome

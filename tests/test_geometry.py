@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.geometry import (
+from sidecar.kv.geometry import (
     GIB,
     GeometryError,
     KVGeometry,
@@ -55,7 +55,7 @@ def test_qwen25_7b_is_56_kib_per_token() -> None:
 def test_qwen25_7b_one_sequence(tokens: int, gib: float) -> None:
     geo = KVGeometry.build(model("qwen2.5-7b-instruct"), block_size=16, max_model_len=tokens)
     assert round(geo.bytes_per_sequence / GIB, 2) == gib
-    assert geo.bytes_for_tokens(tokens) == tokens * 57_344
+    assert geo.blocks_for_tokens(tokens) * geo.bytes_per_block == tokens * 57_344
 
 
 def test_qwen25_7b_as_mha_is_7x() -> None:

@@ -237,7 +237,7 @@ def check_response(
     assert figures["reserved_blocks"] == figures["resummed_reserved"], figures
     assert figures["predicted_blocks"] == figures["resummed_predicted"], figures
     assert figures["reserved_blocks"] >= 0 and figures["in_flight"] >= 0, figures
-    wait_for(sc.ledger_empty, f"ledger empty after {raw[:80]!r}", 2.0)
+    wait_for(sc.ledger_empty, f"ledger empty after {raw[:80]!r}", 10.0)
     assert sc.alive()
 
 
@@ -432,6 +432,10 @@ def test_oversized_headers_are_refused_with_431(
     assert len(app.non_probe_requests()) == before  # nothing forwarded
 
 
+#: The worst /healthz latency allowed while 10,000 headers are handled (10 s before F3).
+STALL_LIMIT_S = 3.0
+
+
 def test_many_headers_do_not_stall_the_event_loop(
     sidecar: ThreadedSidecar, client: httpx.Client
 ) -> None:
@@ -452,11 +456,18 @@ def test_many_headers_do_not_stall_the_event_loop(
     )
     sender.start()
     worst = 0.0
+    deadline = time.monotonic() + 90  # raw_http gives up after 60 s
     while sender.is_alive():
+        assert time.monotonic() < deadline, "the 10,000-header request never ended"
         worst = max(worst, probe())
         time.sleep(0.02)
     sender.join()
-    assert worst < max(1.0, 3 * usual), f"the event loop stalled {worst:.1f} s (usual {usual:.2f})"
+    # A stall is the whole request's handling on the loop: 10 s before F3. A loaded 2-core
+    # machine delays one probe by a second or so on its own, hence the generous bound.
+    assert worst < max(STALL_LIMIT_S, 5 * usual), (
+        f"/healthz waited {worst:.1f} s while the 10,000-header request was handled (the loop's "
+        f"usual latency {usual:.2f} s, limit {STALL_LIMIT_S} s): the event loop stalled"
+    )
     assert result and result[0][0] == 431, result[0][1][:200] if result else None
 
 
@@ -603,7 +614,9 @@ def test_authorization_reaches_vllm_but_no_log_or_metric(model_dir: Path) -> Non
                 assert client.post("/v1/chat/completions", json=chat).status_code == 503
                 fake.start()
                 wait_for(
-                    lambda: httpx.get(sc.metrics_url + "/readyz").status_code == 200, "ready", 10
+                    lambda: httpx.get(sc.metrics_url + "/readyz").status_code == 200,
+                    "/readyz 200 once the fake vLLM is back",
+                    30,
                 )
             own = {
                 path: httpx.get(sc.metrics_url + path).text
@@ -659,7 +672,8 @@ def test_one_clients_cookies_never_reach_another_clients_request(
         assert app.requests_to("/status/201")[-1].header("cookie") is None
         alice.get(sidecar.url + "/status/202")  # Alice's own cookies come from Alice
         assert app.requests_to("/status/202")[-1].header("cookie") == "a=1; b=2"
-    assert len(sidecar.sc.client.cookies.jar) == 0
+    # the proxy sends on its transport (no cookie jar at all); the sidecar's own client keeps none
+    assert len(sidecar.sc.own_client.cookies.jar) == 0
 
 
 API_KEY = "vllm-api-key-0a1b2c3d4e5f"
@@ -684,7 +698,10 @@ def test_vllm_with_api_key(model_dir: Path) -> None:
             deadline = time.monotonic() + 60
             while not _ready(sc):  # fails fast on the first refusal, not at a timeout
                 assert "401 Unauthorized" not in sc.log(), "discovery refused by vLLM's guard"
-                assert time.monotonic() < deadline, sc.log()[-2000:]
+                assert time.monotonic() < deadline, (
+                    "the sidecar not ready within 60 s behind a vLLM with --api-key:\n"
+                    + sc.log()[-2000:]
+                )
                 time.sleep(0.1)
             body = {"model": "tiny", "prompt": "x", "max_tokens": 4}
             ok = httpx.post(

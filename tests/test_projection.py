@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
-from sidecar.geometry import KVGeometry, ModelKV, UniformBlocks
-from sidecar.projection import project_counts
-from sidecar.request import BadRequest
+from sidecar.errors import BadRequest
+from sidecar.kv.geometry import KVGeometry, ModelKV, UniformBlocks
+from sidecar.kv.projection import project_counts
 
 B128 = UniformBlocks(128)
 
@@ -40,16 +42,12 @@ def test_vllm_400s() -> None:
     assert info.value.code == "context_length_exceeded"
 
 
-def test_truncate_prompt_tokens() -> None:
-    p = project_counts(
-        (2000,),
-        requested_max_tokens=10,
-        n=1,
-        max_model_len=1024,
-        blocks=B128,
-        truncate_prompt_tokens=500,
-    )
-    assert p.prompt_tokens == (500,)
+def test_counts_arrive_truncated_and_are_not_truncated_again() -> None:
+    # The prompt counter applies truncate_prompt_tokens (tests/test_tokens.py), the only place;
+    # the projection has no way to truncate a second time.
+    assert "truncate_prompt_tokens" not in inspect.signature(project_counts).parameters
+    p = project_counts((1000,), requested_max_tokens=10, n=1, max_model_len=1024, blocks=B128)
+    assert p.prompt_tokens == (1000,)
 
 
 def test_sliding_window_model_projects_capped_blocks() -> None:

@@ -1,6 +1,6 @@
 """The proxy port against a fake vLLM that speaks vLLM 0.32's formats (``tests/fake_vllm.py``).
 
-Each test runs the real sidecar: ``Sidecar`` with the ``Proxy`` and ``OpsApp`` apps served by
+Each test runs the real sidecar: ``Sidecar`` with its proxy and ops apps served by
 uvicorn on loopback ports, configured as ``serve()`` configures them, in the test's event loop;
 the fake runs in a thread, so a test can stop it, slow it or change what its /metrics reports
 under a running sidecar. A few tests at the end run ``kv-sidecar serve`` as a real process.
@@ -28,9 +28,9 @@ import httpx
 import pytest
 
 from harness.workload import SidecarProcess
-from sidecar.app import OpsApp, Sidecar, _Server, _uvicorn_config
-from sidecar.proxy import Message, Proxy
-from sidecar.settings import Settings
+from sidecar.app import Sidecar, _Server, _uvicorn_config
+from sidecar.config import Settings
+from sidecar.http.types import Message
 from tests.fake_vllm import (
     GZIP_BODY,
     FakeServer,
@@ -76,6 +76,16 @@ class Stack:
     def decisions(self, decision: str, reason: str) -> float:
         return self.sample("kv_sidecar_requests_total", decision=decision, reason=reason)
 
+    def decisions_total(self) -> float:
+        """Every request counted at the gate, whatever its decision and reason."""
+        return sum(
+            sample.value
+            for family in self.sidecar.registry.collect()
+            if family.name == "kv_sidecar_requests"
+            for sample in family.samples
+            if sample.name == "kv_sidecar_requests_total"
+        )
+
     def ledger_empty(self) -> bool:
         state = self.sidecar.admission.state()
         return state.in_flight == 0 and state.reserved_blocks == 0 and state.queue_depth == 0
@@ -111,8 +121,8 @@ async def run_sidecar(
     sidecar = Sidecar(settings)
     await sidecar.start()
     servers = [
-        _Server(_uvicorn_config(Proxy(sidecar), settings, settings.port)),
-        _Server(_uvicorn_config(OpsApp(sidecar), settings, settings.metrics_port)),
+        _Server(_uvicorn_config(sidecar.proxy, settings, settings.port)),
+        _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port)),
     ]
     tasks = [
         asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -407,7 +417,7 @@ async def test_client_leaving_mid_upload_aborts_the_upstream_request(
     async def send(message: Message) -> None:
         pass
 
-    await Proxy(stack.sidecar)(scope, receive, send)  # must not raise
+    await stack.sidecar.proxy(scope, receive, send)  # must not raise
     await eventually(lambda: stack.fake.requests_to("/echo/upload") != [], "vLLM got it")
     assert stack.fake.requests_to("/echo/upload")[0].complete is False
 
@@ -682,11 +692,18 @@ async def test_disconnect_while_queued_leaves_the_queue(upstream: FakeServer) ->
 
 async def test_upstream_down_gives_503_and_recovers(stack: Stack) -> None:
     await asyncio.to_thread(stack.upstream.stop)
+    counted, connect_errors = (
+        stack.decisions_total(),
+        stack.sample("kv_sidecar_upstream_errors_total", kind="connect"),
+    )
 
     resp = await stack.client.post("/v1/completions", json=completion())
     error = openai_error(resp, 503, "upstream_unavailable")
     assert error["type"] == "service_unavailable_error"
     retry_after(resp)
+    # admitted, then the connect failed: one decision (docs/metrics.md), one upstream error
+    assert stack.decisions_total() == counted + 1
+    assert stack.sample("kv_sidecar_upstream_errors_total", kind="connect") == connect_errors + 1
     passthrough = await stack.client.get("/v1/models")
     openai_error(passthrough, 503, "upstream_unavailable")
     retry_after(passthrough)
@@ -710,6 +727,8 @@ async def test_before_discovery_generation_gets_503_engine_not_ready(
         resp = await stack.client.post("/v1/chat/completions", json=chat())
         openai_error(resp, 503, "engine_not_ready")
         retry_after(resp)
+        assert stack.decisions("reject", "not_ready") == 1  # the label says what the code says
+        assert stack.decisions("reject", "upstream_unavailable") == 0
         assert stack.fake.generations() == []
         assert (await stack.client.get("/health")).status_code == 200  # pass-through works
         assert await stack.ready_status() == 503
@@ -728,7 +747,7 @@ async def test_event_loop_tasks_are_exported_and_return_to_rest(upstream: FakeSe
             asyncio.ensure_future(stack.client.post("/v1/completions", json=completion()))
             for _ in range(8)
         ]
-        await eventually(lambda: len(stack.sidecar.ledger) == 8, "8 in flight", within=5)
+        await eventually(lambda: len(stack.sidecar.admission.ledger) == 8, "8 in flight", within=5)
         busy = stack.sidecar.event_loop_tasks()
         # the test's own 8 requests run on this loop too: the sidecar's are the rest
         assert busy >= rest + 16, (rest, busy)
@@ -756,9 +775,9 @@ async def test_one_failed_scrape_does_not_drop_readiness_stale_data_does(
 
 async def test_not_ready_until_the_local_tokenizer_has_loaded() -> None:
     """The load holds the GIL in long stretches: no traffic may be admitted behind it."""
-    from harness.vllm_cpu import ensure_model
+    from harness.vllm_cpu import ensure_tokenizer_model
 
-    with FakeServer(FakeVllm(model_root=ensure_model())) as server:
+    with FakeServer(FakeVllm(model_root=ensure_tokenizer_model())) as server:
         async with run_sidecar(server, discovered=False) as stack:
             await eventually(lambda: stack.sidecar.discovered, "discovered", within=60)
             assert stack.sidecar.counter.local_available  # loaded before, not after
@@ -827,7 +846,7 @@ async def test_proxy_app_refuses_a_target_that_is_not_a_path(stack: Stack) -> No
         async def send(message: Message, sent: list[Message] = sent) -> None:
             sent.append(message)
 
-        await Proxy(stack.sidecar)(scope, receive, send)
+        await stack.sidecar.proxy(scope, receive, send)
         assert sent[0]["status"] == 400, target
         assert json.loads(sent[1]["body"])["error"]["code"] == "invalid_target"
     assert stack.fake.non_probe_requests() == []

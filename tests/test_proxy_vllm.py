@@ -1,13 +1,19 @@
 """The sidecar in front of the real vLLM: the burst that preempts when sent direct does not
 through the sidecar; refusals carry both retry headers; the openai client retries to completion.
+
+The burst is sized from the server's own figures (:class:`harness.vllm_info.VllmInfo`): requests
+of 271 prompt + 700 output tokens (less where the context is shorter), enough of them to ask for
+2.5 times the KV pool. On the session vLLM (64 blocks of 128) that is 20 requests of 8 blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -18,15 +24,41 @@ from tests.conftest import VllmInfo
 
 pytestmark = pytest.mark.vllm
 
-BURST = 20
-PROMPT_TOKENS = 271
-MAX_TOKENS = 700
+#: How much KV the burst asks for, as a multiple of the pool: vLLM must preempt.
+OVERSUBSCRIBED = 2.5
+#: The most requests a burst may take to get there; a larger pool needs a smaller vLLM.
+MAX_BURST = 512
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The burst for this server: ``requests`` x (``prompt_tokens`` + ``max_tokens``)."""
+
+    requests: int
+    prompt_tokens: int
+    max_tokens: int
+    retry_max_tokens: int  # the openai client's requests: shorter, still over the budget together
 
 
 @pytest.fixture(scope="module")
-def prompts(vllm: VllmInfo) -> list[str]:
-    assert vllm.model_dir is not None
-    return make_prompts(vllm.model_dir, BURST, PROMPT_TOKENS, seed=7)
+def shape(vllm: VllmInfo) -> Shape:
+    prompt_tokens = min(271, vllm.max_model_len // 4)
+    max_tokens = min(700, vllm.max_model_len - prompt_tokens - 1)
+    blocks_each = vllm.blocks_for(prompt_tokens + max_tokens)
+    requests = max(20, math.ceil(OVERSUBSCRIBED * (vllm.num_gpu_blocks - 1) / blocks_each))
+    if requests > MAX_BURST:
+        pytest.skip(
+            f"a pool of {vllm.num_gpu_blocks} blocks needs {requests} requests of {blocks_each} "
+            f"blocks to preempt; start vLLM with --num-gpu-blocks-override (64 is what these "
+            "tests were sized on)"
+        )
+    return Shape(requests, prompt_tokens, max_tokens, min(300, max_tokens))
+
+
+@pytest.fixture(scope="module")
+def prompts(vllm: VllmInfo, shape: Shape) -> list[str]:
+    assert vllm.model_dir is not None, "set KV_SIDECAR_TEST_MODEL_DIR for an external vLLM"
+    return make_prompts(vllm.model_dir, shape.requests, shape.prompt_tokens, seed=7)
 
 
 class Sampler:
@@ -59,21 +91,32 @@ class Sampler:
         self._thread.join()
 
 
+#: Every answer is in: the sidecar's release runs right after its last byte. Generous, for a
+#: loaded machine; what is waited for is in the failure message.
+LEDGER_EMPTY_WITHIN = 30.0
+
+
 def assert_ledger_empty(sidecar: SidecarProcess) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + LEDGER_EMPTY_WITHIN
     while True:
         state = sidecar.state()
         if state["reserved_blocks"] == 0 and state["in_flight"] == 0 and state["queue_depth"] == 0:
             return
-        assert time.monotonic() < deadline, f"ledger not empty: {state}"
+        assert time.monotonic() < deadline, (
+            f"the ledger still held reservations {LEDGER_EMPTY_WITHIN:.0f} s after every answer "
+            f"had ended: {state}"
+        )
         time.sleep(0.1)
 
 
-def test_direct_burst_preempts(vllm: VllmInfo, prompts: list[str]) -> None:
-    """The premise: 20 x (271 + 700) tokens on 64 blocks of 128 makes vLLM preempt."""
+def test_direct_burst_preempts(vllm: VllmInfo, shape: Shape, prompts: list[str]) -> None:
+    """The premise: 2.5 pools' worth of KV at once (20 x (271 + 700) tokens on 64 blocks of 128
+    for the session vLLM) makes vLLM preempt."""
     before = vllm_preemptions(vllm.url)
-    results = asyncio.run(burst(vllm.url, prompts, max_tokens=MAX_TOKENS))
-    assert [r.status for r in results] == [200] * BURST
+    results = asyncio.run(
+        burst(vllm.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
+    )
+    assert [r.status for r in results] == [200] * shape.requests
     assert vllm_preemptions(vllm.url) > before
 
 
@@ -85,13 +128,15 @@ def queue_sidecar(vllm: VllmInfo) -> Iterator[SidecarProcess]:
 
 
 def test_queue_policy_burst_has_no_preemptions(
-    vllm: VllmInfo, prompts: list[str], queue_sidecar: SidecarProcess
+    vllm: VllmInfo, shape: Shape, prompts: list[str], queue_sidecar: SidecarProcess
 ) -> None:
     before = vllm_preemptions(vllm.url)
     with Sampler(queue_sidecar) as sampler:
-        results = asyncio.run(burst(queue_sidecar.url, prompts, max_tokens=MAX_TOKENS))
-    assert [r.status for r in results] == [200] * BURST, [r.error for r in results]
-    assert all(r.completion_tokens == MAX_TOKENS for r in results)
+        results = asyncio.run(
+            burst(queue_sidecar.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
+        )
+    assert [r.status for r in results] == [200] * shape.requests, [r.error for r in results]
+    assert all(r.completion_tokens == shape.max_tokens for r in results)
     assert vllm_preemptions(vllm.url) == before
 
     # predicted vs actual at each scrape: within one block per request in flight
@@ -119,7 +164,7 @@ def test_queue_policy_burst_has_no_preemptions(
     # the exported figures say the same: error within a block per request, no OOM risk
     # (/state and /metrics are read one after the other and may straddle a scrape: bound each
     # exported error by the requests in flight at the neighbouring samples' scrapes)
-    block_bytes = 131_072
+    block_bytes = vllm.bytes_per_block(queue_sidecar.metrics_url)
     samples = sampler.samples
     for i, s in enumerate(samples):
         if s["error_bytes"] is None:
@@ -133,29 +178,35 @@ def test_queue_policy_burst_has_no_preemptions(
 
 
 def test_observe_policy_sees_the_oom_risk_of_the_direct_burst(
-    vllm: VllmInfo, prompts: list[str]
+    vllm: VllmInfo, shape: Shape, prompts: list[str]
 ) -> None:
     """A dry run (--policy observe) forwards the burst as if direct: vLLM preempts, and the
     sidecar's OOM risk says so before it happens."""
     before = vllm_preemptions(vllm.url)
     with SidecarProcess(vllm.url, "--policy", "observe") as sc:
         with Sampler(sc) as sampler:
-            results = asyncio.run(burst(sc.url, prompts, max_tokens=MAX_TOKENS))
+            results = asyncio.run(
+                burst(sc.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
+            )
         observed = metric_value(
             sc.metrics(), "kv_sidecar_requests_total", decision="admit", reason="observed"
         )
         assert_ledger_empty(sc)
-    assert [r.status for r in results] == [200] * BURST
+    assert [r.status for r in results] == [200] * shape.requests
     risks = [s["oom_risk_ratio"] for s in sampler.samples if s["oom_risk_ratio"] is not None]
     assert max(risks) > 1.0
     assert observed and observed > 0
     assert vllm_preemptions(vllm.url) > before
 
 
-def test_reject_policy_refuses_with_retry_headers(vllm: VllmInfo, prompts: list[str]) -> None:
+def test_reject_policy_refuses_with_retry_headers(
+    vllm: VllmInfo, shape: Shape, prompts: list[str]
+) -> None:
     before = vllm_preemptions(vllm.url)
     with SidecarProcess(vllm.url, "--policy", "reject") as sc:
-        results = asyncio.run(burst(sc.url, prompts, max_tokens=MAX_TOKENS))
+        results = asyncio.run(
+            burst(sc.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
+        )
         assert_ledger_empty(sc)
     statuses = sorted(r.status for r in results)
     assert set(statuses) == {200, 429}
@@ -165,11 +216,13 @@ def test_reject_policy_refuses_with_retry_headers(vllm: VllmInfo, prompts: list[
             assert int(r.headers["retry-after"]) >= 1
             assert int(r.headers["retry-after-ms"]) >= 1
         else:
-            assert r.completion_tokens == MAX_TOKENS
+            assert r.completion_tokens == shape.max_tokens
     assert vllm_preemptions(vllm.url) == before
 
 
-def test_openai_client_retries_to_completion(vllm: VllmInfo, prompts: list[str]) -> None:
+def test_openai_client_retries_to_completion(
+    vllm: VllmInfo, shape: Shape, prompts: list[str]
+) -> None:
     """The official client honours retry-after-ms: every request of the over-budget burst ends."""
     before = vllm_preemptions(vllm.url)
 
@@ -182,7 +235,7 @@ def test_openai_client_retries_to_completion(vllm: VllmInfo, prompts: list[str])
             out = await client.completions.create(
                 model=vllm.served_name,
                 prompt=prompt,
-                max_tokens=300,
+                max_tokens=shape.retry_max_tokens,
                 extra_body={"ignore_eos": True},
             )
             assert out.usage is not None
@@ -203,6 +256,6 @@ def test_openai_client_retries_to_completion(vllm: VllmInfo, prompts: list[str])
             )
         )
         assert_ledger_empty(sc)
-    assert tokens == [300] * BURST
+    assert tokens == [shape.retry_max_tokens] * shape.requests
     assert refused > 0  # the burst really was over budget and was retried
     assert vllm_preemptions(vllm.url) == before

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from sidecar.request import BadRequest, parse_generation
+from sidecar.counting import PromptCounter
+from sidecar.counting.request import parse_generation
+from sidecar.errors import BadRequest, PromptError
 
 
 def body(**kw: object) -> bytes:
@@ -30,11 +32,10 @@ def test_chat_fields() -> None:
             foo="bar",
         ),
     )
-    assert (r.max_tokens, r.max_tokens_param, r.n, r.stream, r.include_usage) == (
+    assert (r.max_tokens, r.max_tokens_param, r.n, r.stream) == (
         9,
         "max_completion_tokens",
         2,
-        True,
         True,
     )
     assert r.body["foo"] == "bar"
@@ -106,3 +107,32 @@ def test_huge_integer_and_deep_nesting() -> None:
 
 def test_float_integers_are_accepted_like_pydantic() -> None:
     assert parse_generation("chat", body(messages=CHAT, max_tokens=16.0)).max_tokens == 16
+
+
+def test_a_long_token_id_prompt_is_one_prompt() -> None:
+    assert parse_generation("completions", body(prompt=[7] * 5000)).n == 1
+    with pytest.raises(BadRequest, match="more than 1024 prompts"):
+        parse_generation("completions", body(prompt=["x"] * 1025))
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        "hello",
+        [],
+        ["hello"],
+        [{"content": "no role"}],
+        [{"role": 5, "content": "x"}],
+        [{"role": "user", "content": 5}],
+    ],
+    ids=repr,
+)
+async def test_messages_are_checked_once_for_parsing_and_counting(messages: object) -> None:
+    """One check, one message: the proxy's parse and the prompt counter refuse alike."""
+    with pytest.raises(BadRequest) as parsed:
+        parse_generation("chat", body(messages=messages))
+    counter = PromptCounter(client=None, upstream=None, served_model=None, tokenizer_path=None)
+    with pytest.raises(PromptError) as counted:
+        await counter.count("chat", {"messages": messages})
+    assert str(counted.value) == str(parsed.value)
+    assert parsed.value.param == "messages"

@@ -23,22 +23,30 @@ from typing import Any
 import httpx
 import pytest
 
-from harness.vllm_cpu import ensure_model, free_port
-from sidecar.tokens import (
+from harness.vllm_cpu import ensure_tokenizer_model, free_port
+from sidecar.counting import (
+    SELF_CHECKED_SHAPES,
     CountMethod,
+    Endpoint,
     ModelTokenizer,
     PromptCounter,
-    PromptError,
+    PromptShape,
     TokenCount,
-    _chat_tool,
-    _conversation,
-    _merge_kwargs,
-    _plan,
-    _response_messages,
-    _response_tools,
-    _Truncation,
-    detect_content_format,
+    counting_view,
+    parse_generation,
 )
+from sidecar.counting.content_format import detect_content_format
+from sidecar.counting.plan import Truncation, plan_count
+from sidecar.counting.render import (
+    chat_tool,
+    conversation,
+    merge_kwargs,
+    response_messages,
+    response_tools,
+)
+from sidecar.errors import PromptError
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.projection import project_counts
 from tests.conftest import VllmInfo
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tokens"
@@ -278,6 +286,7 @@ SHAPES: list[tuple[str, str, dict[str, Any]]] = [
     ),
 ]
 SHAPE_IDS = [shape[0] for shape in SHAPES]
+HI = [{"role": "user", "content": "hi"}]
 ENDPOINT_PATHS = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
@@ -325,7 +334,7 @@ def served_tokenizer(vllm: VllmInfo) -> ModelTokenizer:
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> ModelTokenizer:
     """The generated test model's tokenizer, without starting vLLM."""
-    return ModelTokenizer.load(ensure_model())
+    return ModelTokenizer.load(ensure_tokenizer_model())
 
 
 @pytest.fixture
@@ -456,21 +465,22 @@ async def test_real_404_and_closed_port_give_estimates_that_do_not_undercount(
 async def test_tokenizer_loads_in_background(vllm: VllmInfo, client: httpx.AsyncClient) -> None:
     if vllm.model_dir is None:
         pytest.skip("the model directory of the external vLLM is not readable here")
+    observer = RecordingObserver()
     counter = PromptCounter(
         client=client,
         upstream=vllm.url,
         served_model=vllm.served_name,
         tokenizer_path=vllm.model_dir,
+        observer=observer,
     )
     try:
         assert await counter.wait_ready()
         for shape_id, endpoint, body in SHAPES:
             count = await counter.count(endpoint, body)  # type: ignore[arg-type]
             assert count.method is CountMethod.LOCAL, shape_id
-        # The first local count of each endpoint was checked against /tokenize meanwhile.
+        # The first local count of each shape was checked against /tokenize meanwhile.
         await counter.wait_checks()
-        assert counter.verified_endpoints == {"completions", "chat", "responses"}
-        assert not counter.mismatched_endpoints
+        assert sorted(observer.checks) == [(shape, True) for shape in sorted(SELF_CHECKED_SHAPES)]
     finally:
         counter.close()
 
@@ -489,39 +499,39 @@ def test_content_format_detection_matches_vllm(name: str, expected: str) -> None
 @pytest.mark.parametrize("case", CAPTURED["conversations"], ids=lambda c: json.dumps(c)[:60])
 @pytest.mark.parametrize("content_format", ["string", "openai"])
 def test_message_normalisation_matches_vllm(case: dict[str, Any], content_format: str) -> None:
-    got = _conversation(case["messages"], content_format)  # type: ignore[arg-type]
+    got = conversation(case["messages"], content_format)  # type: ignore[arg-type]
     # Key order too: templates that dump a message with tojson see it.
     assert json.dumps(got) == json.dumps(case[content_format])
 
 
 def test_message_normalisation_does_not_touch_the_body() -> None:
     messages = json.loads(json.dumps(TOOL_TURNS))
-    _conversation(messages, "openai")
+    conversation(messages, "openai")
     assert messages == TOOL_TURNS
 
 
 @pytest.mark.parametrize("case", CAPTURED["chat_tools"], ids=lambda c: json.dumps(c)[:60])
 def test_chat_tools_dump_as_vllm_dumps_them(case: dict[str, Any]) -> None:
-    dumped = [_chat_tool(tool) for tool in case["tools"]]
+    dumped = [chat_tool(tool) for tool in case["tools"]]
     assert json.dumps(dumped) == json.dumps(case["dumped"])
 
 
 @pytest.mark.parametrize("case", CAPTURED["responses"], ids=lambda c: json.dumps(c["body"])[:60])
 def test_responses_input_becomes_the_messages_vllm_builds(case: dict[str, Any]) -> None:
     body = case["body"]
-    assert _response_messages(body.get("instructions"), body["input"]) == case["messages"]
-    assert _response_tools(body.get("tools")) == case["tools"]
-    plan = _plan("responses", body)
+    assert response_messages(body.get("instructions"), body["input"]) == case["messages"]
+    assert response_tools(body.get("tools")) == case["tools"]
+    plan = plan_count("responses", body)
     flags = {
         "add_generation_prompt": plan.add_generation_prompt,  # type: ignore[union-attr]
         "continue_final_message": plan.continue_final_message,  # type: ignore[union-attr]
     }
-    merged = _merge_kwargs(plan.template_kwargs, flags)  # type: ignore[union-attr]
+    merged = merge_kwargs(plan.template_kwargs, flags)  # type: ignore[union-attr]
     assert merged == case["chat_template_kwargs"]
 
 
 def test_merge_kwargs_treats_none_and_auto_as_unset() -> None:
-    assert _merge_kwargs({"a": 1, "b": 2}, {"a": None, "b": "auto", "c": 3}) == {
+    assert merge_kwargs({"a": 1, "b": 2}, {"a": None, "b": "auto", "c": 3}) == {
         "a": 1,
         "b": 2,
         "c": 3,
@@ -544,15 +554,16 @@ def test_merge_kwargs_treats_none_and_auto_as_unset() -> None:
         ("completions", {"prompt": [[1], "a"]}, "`prompt` must be"),
         ("completions", {"prompt": [-1]}, "non-negative"),
         ("completions", {"prompt": "x", "max_tokens": "many"}, "`max_tokens` must be"),
-        ("chat", {"messages": "hello"}, "`messages` must be a list"),
-        ("chat", {"messages": [{"content": "no role"}]}, "string `role`"),
+        ("chat", {"messages": "hello"}, "'messages' must be a non-empty list"),
+        ("chat", {"messages": []}, "'messages' must be a non-empty list"),
+        ("chat", {"messages": [{"content": "no role"}]}, r"'messages\[0\].role' must be a string"),
         (
             "chat",
-            {"messages": [], "add_generation_prompt": True, "continue_final_message": True},
+            {"messages": HI, "add_generation_prompt": True, "continue_final_message": True},
             "Cannot set both",
         ),
-        ("chat", {"messages": [], "tools": [{"type": "web"}]}, "function tool"),
-        ("chat", {"messages": [], "chat_template_kwargs": "x"}, "must be an object"),
+        ("chat", {"messages": HI, "tools": [{"type": "web"}]}, "function tool"),
+        ("chat", {"messages": HI, "chat_template_kwargs": "x"}, "must be an object"),
         ("responses", {"input": 3}, "`input` must be"),
         (
             "responses",
@@ -592,14 +603,16 @@ async def test_a_body_that_is_not_an_object_is_a_prompt_error() -> None:
 def test_truncation_as_vllm_applies_it(
     keep: int | None, max_output: int, max_model_len: int | None, count: int, expected: int
 ) -> None:
-    assert _Truncation(keep, max_output).apply(count, max_model_len) == expected
+    assert Truncation(keep, max_output).apply(count, max_model_len) == expected
 
 
 def test_completions_default_max_tokens_decides_truncation_headroom() -> None:
-    plan = _plan("completions", {"prompt": "x", "truncate_prompt_tokens": -1, "max_tokens": None})
-    assert plan.truncation == _Truncation(-1, 16)  # type: ignore[union-attr]
-    chat = _plan("chat", {"messages": [], "truncate_prompt_tokens": -1})
-    assert chat.truncation == _Truncation(-1, 0)  # type: ignore[union-attr]
+    plan = plan_count(
+        "completions", {"prompt": "x", "truncate_prompt_tokens": -1, "max_tokens": None}
+    )
+    assert plan.truncation == Truncation(-1, 16)
+    chat = plan_count("chat", {"messages": HI, "truncate_prompt_tokens": -1})
+    assert chat.truncation == Truncation(-1, 0)
 
 
 async def test_token_ids_and_forwarded_ids_need_no_tokenizer() -> None:
@@ -618,7 +631,7 @@ async def test_token_ids_and_forwarded_ids_need_no_tokenizer() -> None:
 
 async def test_unknowable_shapes_are_flagged_estimates(caplog: pytest.LogCaptureFixture) -> None:
     counter = PromptCounter(client=None, upstream=None, served_model=None, tokenizer_path=None)
-    caplog.set_level(logging.WARNING, logger="sidecar.tokens")
+    caplog.set_level(logging.WARNING, logger="sidecar.counting.counter")
     history = await counter.count("responses", {"input": "x" * 40, "previous_response_id": "r1"})
     assert history.method is CountMethod.ESTIMATE
     assert history.total >= 40
@@ -702,7 +715,7 @@ async def test_chat_goes_upstream_with_the_template_inputs() -> None:
         )
     assert count.method is CountMethod.UPSTREAM
     (call,) = fake.calls
-    assert call["tools"] == [_chat_tool(WEATHER_TOOL)]
+    assert call["tools"] == [chat_tool(WEATHER_TOOL)]
     assert call["chat_template_kwargs"] == {
         "enable_thinking": False,
         "documents": [{"title": "t", "text": "x"}],
@@ -764,7 +777,7 @@ async def test_upstream_failures_give_estimates_and_one_warning_a_minute(
     status: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = FakeTokenize(status=status)
-    caplog.set_level(logging.WARNING, logger="sidecar.tokens")
+    caplog.set_level(logging.WARNING, logger="sidecar.counting.counter")
     async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
         counter = PromptCounter(
             client=http, upstream="http://vllm:8000", served_model=None, tokenizer_path=None
@@ -790,7 +803,7 @@ async def test_connection_refused_gives_an_estimate() -> None:
 async def test_an_unloadable_tokenizer_falls_back_upstream(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="sidecar.tokens")
+    caplog.set_level(logging.WARNING, logger="sidecar.counting.counter")
     fake = FakeTokenize()
     async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
         counter = PromptCounter(
@@ -863,11 +876,12 @@ async def test_long_prompts_are_counted_off_the_event_loop(
         counter.close()
 
 
-async def test_a_local_count_vllm_disagrees_with_moves_the_endpoint_upstream(
+async def test_a_local_count_vllm_disagrees_with_moves_the_shape_upstream(
     tiny_tokenizer: ModelTokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = FakeTokenize()  # counts characters: not what the tokenizer says
-    caplog.set_level(logging.ERROR, logger="sidecar.tokens")
+    observer = RecordingObserver()
+    caplog.set_level(logging.ERROR, logger="sidecar.counting.counter")
     async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
         counter = PromptCounter(
             client=http,
@@ -875,16 +889,21 @@ async def test_a_local_count_vllm_disagrees_with_moves_the_endpoint_upstream(
             served_model="tiny",
             tokenizer_path=None,
             tokenizer=tiny_tokenizer,
+            observer=observer,
         )
         first = await counter.count("completions", {"prompt": "hello world"})
         await counter.wait_checks()
         second = await counter.count("completions", {"prompt": "hello world"})
         chat = await counter.count("chat", {"messages": [{"role": "user", "content": "x"}]})
+        await counter.wait_checks()
         counter.close()
     assert (first.method, first.prompts) == (CountMethod.LOCAL, (3,))
     assert (second.method, second.prompts) == (CountMethod.UPSTREAM, (11,))
     assert chat.method is CountMethod.LOCAL  # chat is checked on its own
-    assert counter.mismatched_endpoints == {"completions"}
+    assert observer.checks == [
+        (PromptShape.COMPLETIONS_TEXT, False),
+        (PromptShape.CHAT_TEXT, False),
+    ]
     assert any("differs from vLLM's /tokenize" in r.getMessage() for r in caplog.records)
 
 
@@ -967,3 +986,214 @@ async def test_estimates_never_undercount_the_table(tiny_tokenizer: ModelTokeniz
         assert estimate.method in (CountMethod.ESTIMATE, CountMethod.LOCAL), shape_id
         for guessed, counted in zip(estimate.prompts, exact.prompts, strict=True):
             assert guessed >= counted, (shape_id, guessed, counted)
+
+
+# --------------------------------------------------------------------------------------------
+# Truncation: vLLM's rule, applied once, by the counter, whichever way it counted
+# --------------------------------------------------------------------------------------------
+
+
+async def test_every_way_of_counting_truncates() -> None:
+    blind = PromptCounter(
+        client=None, upstream=None, served_model=None, tokenizer_path=None, max_model_len=1024
+    )
+    estimate = await blind.count(
+        "completions", {"prompt": "x" * 5000, "truncate_prompt_tokens": 10}
+    )
+    assert (estimate.method, estimate.prompts) == (CountMethod.ESTIMATE, (10,))
+    ids = await blind.count(
+        "completions", {"prompt": [[1] * 2000, [2] * 5], "truncate_prompt_tokens": -1}
+    )
+    assert (ids.method, ids.prompts) == (CountMethod.LOCAL, (1023, 5))  # default max_tokens 16
+    chat_estimate = await blind.count(
+        "chat",
+        {"messages": [{"role": "user", "content": "y" * 3000}], "truncate_prompt_tokens": -1},
+    )
+    assert chat_estimate.prompts == (1024,)  # no max_tokens: the whole context may be kept
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeTokenize())) as http:
+        upstream = PromptCounter(
+            client=http, upstream="http://vllm:8000", served_model=None, tokenizer_path=None
+        )
+        body = {"prompt": "z" * 1000, "truncate_prompt_tokens": -1, "max_tokens": 5}
+        counted = await upstream.count("completions", body)
+    # max_model_len learnt from /tokenize (777), one token held back for the output
+    assert (counted.method, counted.prompts) == (CountMethod.UPSTREAM, (776,))
+
+
+@pytest.mark.parametrize(
+    ("truncation", "truncated"),
+    [(None, True), ("auto", True), ("disabled", False), ("absent", False)],
+)
+async def test_responses_truncate_unless_disabled_as_vllm(
+    truncation: str | None, truncated: bool
+) -> None:
+    """vLLM: ``-1 if request.truncation != "disabled" else None`` (a null truncates)."""
+    counter = PromptCounter(
+        client=None, upstream=None, served_model=None, tokenizer_path=None, max_model_len=100
+    )
+    body: dict[str, Any] = {"input": "x" * 3000, "max_output_tokens": 10}
+    if truncation != "absent":
+        body["truncation"] = truncation
+    count = await counter.count("responses", body)
+    if truncated:
+        assert count.prompts == (99,)
+    else:
+        assert count.prompts[0] > 3000
+
+
+async def test_the_projection_gets_counts_truncated_once() -> None:
+    """As the generation path projects: parse, count, project with the parsed request."""
+    counter = PromptCounter(
+        client=None, upstream=None, served_model=None, tokenizer_path=None, max_model_len=1024
+    )
+    blocks = UniformBlocks(16)
+
+    async def projected(endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, ...]:
+        request = parse_generation(endpoint, json.dumps(body).encode())
+        count = await counter.count(*counting_view(request))
+        projection = project_counts(
+            count.prompts,
+            requested_max_tokens=request.max_tokens,
+            n=request.n,
+            max_model_len=1024,
+            blocks=blocks,
+            max_tokens_param=request.max_tokens_param,
+            exact=count.exact,
+        )
+        assert projection.prompt_tokens == count.prompts
+        return projection.prompt_tokens + projection.max_tokens
+
+    ids = {"prompt": [1] * 2000, "truncate_prompt_tokens": -1, "max_tokens": 8}
+    assert await projected("completions", ids) == (1023, 1)
+    # Not a Responses field: vLLM ignores it, and so must the sidecar.
+    stray = {"input": "x" * 40, "truncate_prompt_tokens": 5, "max_output_tokens": 8}
+    prompt, _ = await projected("responses", stray)
+    assert prompt > 40
+
+
+# --------------------------------------------------------------------------------------------
+# The self-check: sampled per request shape, off the request path, told to an observer
+# --------------------------------------------------------------------------------------------
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.checks: list[tuple[PromptShape, bool]] = []
+
+    def self_checked(self, shape: PromptShape, matched: bool) -> None:
+        self.checks.append((shape, matched))
+
+
+class TokenizeAs:
+    """A /tokenize that counts as ``tokenizer`` does, except chats with tools (off by 7)."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[dict[str, Any]] = []
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        payload = json.loads(request.content)
+        self.calls.append(payload)
+        await self.release.wait()
+        if "prompt" in payload:
+            count = self.tokenizer.count_text(
+                payload["prompt"], add_special_tokens=payload["add_special_tokens"]
+            )
+        else:
+            kwargs = {
+                "add_generation_prompt": payload["add_generation_prompt"],
+                "continue_final_message": payload["continue_final_message"],
+                "tools": payload.get("tools"),
+            }
+            rendered = self.tokenizer.render_chat(payload["messages"], kwargs)
+            assert isinstance(rendered, str)
+            count = self.tokenizer.count_text(rendered, add_special_tokens=False)
+            if payload.get("tools"):
+                count += 7
+        return httpx.Response(200, json={"count": count, "max_model_len": 1024, "tokens": []})
+
+
+async def test_self_checks_sample_each_shape_and_report_mismatches(
+    tiny_tokenizer: ModelTokenizer,
+) -> None:
+    fake = TokenizeAs(tiny_tokenizer)
+    observer = RecordingObserver()
+    chat = {"messages": [{"role": "user", "content": "the cache block"}]}
+    tools = {**chat, "tools": [WEATHER_TOOL]}
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
+        counter = PromptCounter(
+            client=http,
+            upstream="http://vllm:8000",
+            served_model="tiny",
+            tokenizer_path=None,
+            tokenizer=tiny_tokenizer,
+            self_check_every=3,
+            observer=observer,
+        )
+        for i in range(7):
+            count = await counter.count("completions", {"prompt": f"hello {i}"})
+            assert count.method is CountMethod.LOCAL
+            await counter.wait_checks()
+        first_tools = await counter.count("chat", tools)
+        await counter.wait_checks()
+        then_tools = await counter.count("chat", tools)
+        plain = await counter.count("chat", chat)
+        await counter.wait_checks()
+        counter.close()
+    # the first of each shape, then one in three
+    assert observer.checks == [
+        (PromptShape.COMPLETIONS_TEXT, True),
+        (PromptShape.COMPLETIONS_TEXT, True),
+        (PromptShape.COMPLETIONS_TEXT, True),
+        (PromptShape.CHAT_TEXT_TOOLS, False),
+        (PromptShape.CHAT_TEXT, True),
+    ]
+    assert [c.get("prompt") for c in fake.calls[:3]] == ["hello 0", "hello 3", "hello 6"]
+    # the mismatched shape goes upstream from then on; the others stay local
+    assert first_tools.method is CountMethod.LOCAL
+    assert (then_tools.method, then_tools.total) == (CountMethod.UPSTREAM, first_tools.total + 7)
+    assert plain.method is CountMethod.LOCAL
+
+
+async def test_self_checks_never_delay_a_request_nor_pile_up(
+    tiny_tokenizer: ModelTokenizer,
+) -> None:
+    fake = TokenizeAs(tiny_tokenizer)
+    fake.release.clear()  # /tokenize answers only when the test says so
+    observer = RecordingObserver()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(fake)) as http:
+        counter = PromptCounter(
+            client=http,
+            upstream="http://vllm:8000",
+            served_model="tiny",
+            tokenizer_path=None,
+            tokenizer=tiny_tokenizer,
+            self_check_every=2,
+            observer=observer,
+        )
+        counts = await asyncio.wait_for(
+            asyncio.gather(*(counter.count("completions", {"prompt": "hi"}) for _ in range(10))),
+            timeout=5,
+        )
+        assert {c.method for c in counts} == {CountMethod.LOCAL}
+        await asyncio.sleep(0)
+        assert len(fake.calls) == 1  # one check in flight for the shape, however many are due
+        assert observer.checks == []
+        fake.release.set()
+        await counter.wait_checks()
+        counter.close()
+    assert observer.checks == [(PromptShape.COMPLETIONS_TEXT, True)]
+
+
+def test_the_self_check_rate_is_bounded() -> None:
+    with pytest.raises(ValueError, match="1 in"):
+        PromptCounter(
+            client=None,
+            upstream=None,
+            served_model=None,
+            tokenizer_path=None,
+            self_check_every=1,
+        )

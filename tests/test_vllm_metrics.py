@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.vllm_metrics import EngineSnapshot, MetricsParseError, parse_vllm_metrics
+from sidecar.engine.snapshot import EngineSnapshot, MetricsParseError, parse_vllm_metrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CAPTURES = FIXTURES / "vllm-0.32.0-cpu"
@@ -15,7 +15,7 @@ CRAFTED = FIXTURES / "metrics"
 
 
 def parse(text: str, taken_at: float = 100.0) -> EngineSnapshot:
-    return parse_vllm_metrics(text, taken_at=taken_at, wall_time=1_795_939_700.0)
+    return parse_vllm_metrics(text, taken_at=taken_at)
 
 
 def capture(name: str) -> str:
@@ -32,7 +32,6 @@ def without_lines(text: str, *names: str) -> str:
 def test_under_load() -> None:
     snap = parse(capture("under-load"), taken_at=42.5)
     assert snap.taken_at == 42.5
-    assert snap.wall_time == 1_795_939_700.0
     assert snap.has_cache_config
     assert snap.block_size == 128
     assert snap.num_gpu_blocks == 64
@@ -41,32 +40,22 @@ def test_under_load() -> None:
     # 62 of 63 usable blocks held (usage = 1 - free / (num_gpu_blocks - 1))
     assert snap.capacity_blocks == 63
     assert snap.used_blocks == 62
-    assert snap.free_blocks == 1
     assert snap.running == 20
-    assert snap.waiting == 0
     assert snap.preemptions_total == 10.0
     assert snap.generation_tokens_total == 21411.0
-    assert snap.prompt_tokens_total == 10844.0
-    assert snap.prefix_cache_hits_total == 9984.0
-    assert snap.prefix_cache_queries_total == 10844.0
     assert snap.cache_dtype == "auto"
     assert snap.prefix_caching is True
     assert snap.kv_cache_memory_bytes == 1_073_741_824
-    assert snap.model_name == "tiny"
 
 
 def test_fresh() -> None:
     snap = parse(capture("fresh"))
     assert (snap.block_size, snap.num_gpu_blocks, snap.engines) == (128, 64, 1)
     assert snap.kv_cache_usage == 0.0
-    assert (snap.capacity_blocks, snap.used_blocks, snap.free_blocks) == (63, 0, 63)
-    assert (snap.running, snap.waiting) == (0, 0)
+    assert (snap.capacity_blocks, snap.used_blocks) == (63, 0)
+    assert snap.running == 0
     assert snap.preemptions_total == 0.0
     assert snap.generation_tokens_total == 0.0
-    assert snap.prompt_tokens_total == 0.0
-    assert snap.prefix_cache_hits_total == 0.0
-    assert snap.prefix_cache_queries_total == 0.0
-    assert snap.model_name == "tiny"
     assert snap.has_cache_config
 
 
@@ -74,13 +63,10 @@ def test_idle_after_burst() -> None:
     snap = parse(capture("idle-after-burst"))
     assert (snap.block_size, snap.num_gpu_blocks) == (128, 64)
     assert snap.kv_cache_usage == 0.0
-    assert (snap.used_blocks, snap.free_blocks) == (0, 63)
-    assert (snap.running, snap.waiting) == (0, 0)
+    assert snap.used_blocks == 0
+    assert snap.running == 0
     assert snap.preemptions_total == 10.0
     assert snap.generation_tokens_total == 14050.0
-    assert snap.prompt_tokens_total == 5424.0
-    assert snap.prefix_cache_hits_total == 4864.0
-    assert snap.prefix_cache_queries_total == 5424.0
 
 
 def test_same_answer_as_prometheus_client_on_the_whole_text() -> None:
@@ -96,13 +82,9 @@ def test_same_answer_as_prometheus_client_on_the_whole_text() -> None:
         }
         snap = parse(text)
         assert snap.running == values["vllm:num_requests_running"]
-        assert snap.waiting == values["vllm:num_requests_waiting"]
         assert snap.kv_cache_usage == values["vllm:kv_cache_usage_perc"]
         assert snap.preemptions_total == values["vllm:num_preemptions_total"]
         assert snap.generation_tokens_total == values["vllm:generation_tokens_total"]
-        assert snap.prompt_tokens_total == values["vllm:prompt_tokens_total"]
-        assert snap.prefix_cache_hits_total == values["vllm:prefix_cache_hits_total"]
-        assert snap.prefix_cache_queries_total == values["vllm:prefix_cache_queries_total"]
 
 
 def test_age() -> None:
@@ -129,17 +111,11 @@ def test_two_engines_are_summed() -> None:
     # weighted by usable blocks: (0.5 * 64 + 0.25 * 128) / 192, not the plain mean 0.375
     assert snap.kv_cache_usage == pytest.approx(64 / 192)
     assert snap.used_blocks == 64
-    assert snap.free_blocks == 128
     assert snap.running == 8
-    assert snap.waiting == 3
     assert snap.preemptions_total == 10.0
     assert snap.generation_tokens_total == 2100.0
-    assert snap.prompt_tokens_total == 4000.0
-    assert snap.prefix_cache_hits_total == 1536.0
-    assert snap.prefix_cache_queries_total == 4000.0
     assert snap.cache_dtype == "fp8"
     assert snap.kv_cache_memory_bytes == 1_073_741_824
-    assert snap.model_name == "tiny"
 
 
 def test_two_engines_without_cache_config_average_the_usage() -> None:
@@ -160,15 +136,12 @@ def test_v0_names_and_labels() -> None:
     assert snap.block_size == 16
     assert snap.num_gpu_blocks == 2049
     assert snap.kv_cache_usage == 0.25  # from vllm:gpu_cache_usage_perc
-    assert (snap.capacity_blocks, snap.used_blocks, snap.free_blocks) == (2048, 512, 1536)
-    assert (snap.running, snap.waiting) == (7, 2)
+    assert (snap.capacity_blocks, snap.used_blocks) == (2048, 512)
+    assert snap.running == 7
     assert snap.preemptions_total == 3.0
-    assert snap.prompt_tokens_total == 4096.0
     assert snap.generation_tokens_total == 1234.0
-    assert snap.prefix_cache_hits_total == 0.0  # V0 had only a hit-rate gauge
     assert snap.prefix_caching is False
     assert snap.kv_cache_memory_bytes is None  # label absent in V0
-    assert snap.model_name == "facebook/opt-125m"
 
 
 def test_new_usage_name_wins_over_old() -> None:
@@ -179,17 +152,6 @@ def test_new_usage_name_wins_over_old() -> None:
     assert parse(text).kv_cache_usage == 0.1
     # and the order of the lines does not matter
     assert parse("\n".join(reversed(text.splitlines()))).kv_cache_usage == 0.1
-
-
-def test_old_prefix_cache_counter_names() -> None:
-    text = (
-        'vllm:gpu_prefix_cache_queries_total{engine="0",model_name="m"} 300.0\n'
-        'vllm:gpu_prefix_cache_hits_total{engine="0",model_name="m"} 100.0\n'
-    )
-    snap = parse(text)
-    assert (snap.prefix_cache_queries_total, snap.prefix_cache_hits_total) == (300.0, 100.0)
-    both = text + 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 120.0\n'
-    assert parse(both).prefix_cache_hits_total == 120.0
 
 
 def test_relabelled_underscore_prefix() -> None:
@@ -246,7 +208,7 @@ def test_cache_config_with_float_and_missing_numbers() -> None:
     assert snap.has_cache_config
     assert snap.block_size == 16
     assert snap.num_gpu_blocks is None
-    assert (snap.capacity_blocks, snap.used_blocks, snap.free_blocks) == (None, None, None)
+    assert (snap.capacity_blocks, snap.used_blocks) == (None, None)
 
 
 def test_missing_cache_config_info() -> None:
@@ -257,7 +219,7 @@ def test_missing_cache_config_info() -> None:
     assert snap.cache_dtype is None
     assert snap.prefix_caching is None
     assert snap.kv_cache_memory_bytes is None
-    assert (snap.capacity_blocks, snap.used_blocks, snap.free_blocks) == (None, None, None)
+    assert (snap.capacity_blocks, snap.used_blocks) == (None, None)
     # what does not depend on it is still read
     assert snap.kv_cache_usage == pytest.approx(62 / 63)
     assert snap.running == 20
@@ -268,7 +230,7 @@ def test_missing_usage() -> None:
     snap = parse(without_lines(capture("under-load"), "kv_cache_usage_perc"))
     assert snap.kv_cache_usage is None
     assert snap.capacity_blocks == 63
-    assert (snap.used_blocks, snap.free_blocks) == (None, None)
+    assert snap.used_blocks is None
 
 
 def test_nan_usage_reads_as_missing() -> None:
@@ -336,5 +298,5 @@ def test_properties_never_go_out_of_range() -> None:
     )
     snap = parse(text)
     assert snap.kv_cache_usage == 1.0
-    assert (snap.used_blocks, snap.free_blocks) == (10, 0)
+    assert snap.used_blocks == 10
     assert not math.isnan(snap.age(0.0))

@@ -4,20 +4,39 @@ Every field is a flag (``--max-queue-wait``) and an env var (``KV_SIDECAR_MAX_QU
 flags win over env vars, env vars over defaults. Field docstrings are the ``--help`` text.
 
 >>> Settings(_cli_parse_args=["--policy", "reject"]).policy
-'reject'
+<Policy.REJECT: 'reject'>
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Policy = Literal["reject", "queue", "observe"]
-Reservation = Literal["worst-case", "expected"]
-StalePolicy = Literal["open", "closed"]
+
+class Policy(StrEnum):
+    """What happens to a request that does not fit now."""
+
+    REJECT = "reject"  # 429 at once
+    QUEUE = "queue"  # wait for room, up to --max-queue-wait
+    OBSERVE = "observe"  # forward anyway and measure: a dry run
+
+
+class ReservationMode(StrEnum):
+    """How many output tokens a request is promised."""
+
+    WORST_CASE = "worst-case"  # max_tokens: no preemption possible
+    EXPECTED = "expected"  # a learned quantile of real completion lengths
+
+
+class StalePolicy(StrEnum):
+    """What the gate does when vLLM's metrics are stale."""
+
+    OPEN = "open"  # admit on the ledger alone
+    CLOSED = "closed"  # refuse with 503
 
 
 class Settings(BaseSettings):
@@ -53,7 +72,7 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(default=None, gt=0)
     """Context length (default: vLLM's /v1/models)."""
 
-    policy: Policy = "queue"
+    policy: Policy = Policy.QUEUE
     """A request that does not fit now: refuse with 429 (reject), wait (queue), or forward it
     anyway and only measure (observe: a dry run that changes no traffic)."""
     max_queue_wait: float = Field(default=30.0, ge=0)
@@ -62,7 +81,7 @@ class Settings(BaseSettings):
     """Requests the queue holds; beyond it new ones get 429 queue_full."""
     headroom: float = Field(default=0.05, ge=0, lt=1)
     """Share of KV blocks never promised to requests."""
-    reservation: Reservation = "worst-case"
+    reservation: ReservationMode = ReservationMode.WORST_CASE
     """worst-case: reserve prompt + max_tokens; expected: prompt + a learned completion quantile."""
     expected_quantile: float = Field(default=0.95, gt=0, le=1)
     """Quantile of completion/max_tokens ratios reserved in expected mode."""
@@ -72,7 +91,7 @@ class Settings(BaseSettings):
     """Seconds between scrapes of vLLM's /metrics."""
     metrics_stale_after: float = Field(default=5.0, gt=0)
     """Seconds after which vLLM's metrics count as stale."""
-    stale_policy: StalePolicy = "open"
+    stale_policy: StalePolicy = StalePolicy.OPEN
     """On stale vLLM metrics, admit on the ledger alone (open) or refuse with 503 (closed)."""
 
     upstream_connect_timeout: float = Field(default=30.0, gt=0)

@@ -26,12 +26,15 @@ Everything here is pure: no I/O except :func:`load_config`, which reads one JSON
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sidecar.errors import GeometryError
 
 GIB = 1 << 30
 
@@ -99,10 +102,6 @@ SLIDING_ATTENTION = "sliding_attention"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 #: Batches in flight with async scheduling (vLLM's default): two.
 DEFAULT_MAX_CONCURRENT_BATCHES = 2
-
-
-class GeometryError(ValueError):
-    """A model config that cannot be sized. The message is one line, fit for a CLI error."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -508,21 +507,28 @@ class KVGeometry:
         """Bytes per token on this rank, every layer holding every token."""
         return self.model.bytes_per_token
 
-    def _group_blocks(self, group: KVGroup, num_tokens: int) -> int:
-        blocks = cdiv(num_tokens, self.block_size)
-        if group.sliding_window is None:
-            return blocks
-        held = min(group.sliding_window - 1 + self.max_in_flight_tokens, self.max_model_len)
-        return min(blocks, cdiv(held, self.block_size) + 1)
+    @functools.cached_property
+    def group_caps(self) -> tuple[int | None, ...]:
+        """Per KV-cache group, the most blocks one request holds (None: full attention).
+
+        A sliding-window group keeps the window plus what one step may schedule, and one block
+        more for the window's misalignment with block boundaries.
+        """
+        caps: list[int | None] = []
+        for group in self.groups:
+            if group.sliding_window is None:
+                caps.append(None)
+                continue
+            held = min(group.sliding_window - 1 + self.max_in_flight_tokens, self.max_model_len)
+            caps.append(cdiv(held, self.block_size) + 1)
+        return tuple(caps)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Pool blocks a request holds at ``num_tokens`` tokens (prompt + generated)."""
         if num_tokens <= 0:
             return 0
-        return sum(self._group_blocks(g, num_tokens) for g in self.groups)
-
-    def bytes_for_tokens(self, num_tokens: int) -> int:
-        return self.blocks_for_tokens(num_tokens) * self.bytes_per_block
+        pages = cdiv(num_tokens, self.block_size)
+        return sum(pages if cap is None else min(pages, cap) for cap in self.group_caps)
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -578,6 +584,10 @@ class UniformBlocks:
 
     block_size: int
     bytes_per_block: int | None = None
+
+    @property
+    def group_caps(self) -> tuple[int | None, ...]:
+        return (None,)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size) if num_tokens > 0 else 0

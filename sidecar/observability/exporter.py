@@ -22,31 +22,15 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from sidecar.admission import AdmissionController, Decision
-from sidecar.projection import Projection
-from sidecar.tokens import TokenCount
+from sidecar.admission.controller import AdmissionController
+from sidecar.admission.decisions import DECISION_LABELS, Decision, Outcome, Reason
+from sidecar.config import ReservationMode
+from sidecar.counting import SELF_CHECKED_SHAPES, PromptShape, TokenCount
+from sidecar.engine.discovery import EngineConfig
+from sidecar.kv.projection import Projection
 
 PREFIX = "kv_sidecar"
 COUNT_METHODS = ("exact_local", "exact_upstream", "estimate")
-#: every (decision, reason) the gate can produce (docs/metrics.md), exported from zero
-DECISIONS = (
-    *(("admit", r) for r in ("fits", "queued", "stale_open", "observed")),
-    *(
-        ("reject", r)
-        for r in (
-            "kv_cache_full",
-            "queue_full",
-            "queue_timeout",
-            "too_large",
-            "prompt_too_long",
-            "bad_request",
-            "draining",
-            "upstream_unavailable",
-            "stale_closed",
-        )
-    ),
-    ("cancel", "client_disconnect"),
-)
 UPSTREAM_ERRORS = ("connect", "timeout", "protocol", "status_5xx")
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 41, 2))  # 64 KiB .. 1 TiB
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -55,23 +39,11 @@ TOKENS_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 6
 RELATIVE_ERROR_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, -0.01, 0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
-@dataclass
-class EngineInfo:
-    """What discovery learned about the engine (labels of the info metric)."""
-
-    model: str = ""
-    block_size: int = 0
-    num_gpu_blocks: int = 0
-    cache_dtype: str = ""
-    prefix_caching: str = ""
-    bytes_per_block: int | None = None  # None: unknown (no model config and no KV memory figure)
-
-
 @dataclass(frozen=True)
 class Sources:
     """Where the scrape-time figures come from, besides the admission controller."""
 
-    engine: Callable[[], EngineInfo]
+    engine: Callable[[], EngineConfig | None]
     vllm_up: Callable[[], bool]
     ready: Callable[[], bool]
     scrape_errors: Callable[[], int]
@@ -87,7 +59,7 @@ class Metrics:
         registry: CollectorRegistry,
         admission: AdmissionController,
         *,
-        engine: Callable[[], EngineInfo],
+        engine: Callable[[], EngineConfig | None],
         vllm_up: Callable[[], bool],
         ready: Callable[[], bool],
         scrape_errors: Callable[[], int],
@@ -149,6 +121,13 @@ class Metrics:
             buckets=FAST_BUCKETS,
             registry=registry,
         )
+        self.prompt_checks = Counter(
+            f"{PREFIX}_prompt_count_checks",
+            "Local prompt counts checked against vLLM's /tokenize, by request shape and result "
+            "(match or mismatch); a shape that mismatched is counted by /tokenize from then on.",
+            ["shape", "result"],
+            registry=registry,
+        )
         self.decision_seconds = Histogram(
             f"{PREFIX}_decision_seconds",
             "Time spent projecting and deciding (no queue wait).",
@@ -177,7 +156,10 @@ class Metrics:
             self.prompt_tokens.labels(method)
             self.prompt_counts.labels(method)
             self.tokenize_seconds.labels(method)
-        for decision, reason in DECISIONS:
+        for shape in SELF_CHECKED_SHAPES:
+            for result in ("match", "mismatch"):
+                self.prompt_checks.labels(shape, result)
+        for decision, reason in DECISION_LABELS:
             self.requests.labels(decision, reason)
         for kind in UPSTREAM_ERRORS:
             self.upstream_errors.labels(kind)
@@ -192,10 +174,26 @@ class Metrics:
         if decision.retry_after is not None:
             self.retry_after.observe(decision.retry_after)
 
-    def refused(self, reason: str, retry_after: float | None = None) -> None:
-        self.requests.labels("reject", reason).inc()
+    def refused(self, reason: Reason, retry_after: float | None = None) -> None:
+        self.requests.labels(Outcome.REJECT, reason).inc()
         if retry_after is not None:
             self.retry_after.observe(retry_after)
+
+    def decision_time(self, seconds: float) -> None:
+        self.decision_seconds.observe(seconds)
+
+    def queue_waited(self, seconds: float) -> None:
+        self.queue_wait.observe(seconds)
+
+    def upstream_failed(self, kind: str) -> None:
+        self.upstream_errors.labels(kind).inc()
+
+    def completed(self, completion_tokens: int) -> None:
+        self.completion_tokens.inc(completion_tokens)
+
+    def self_checked(self, shape: PromptShape, matched: bool) -> None:
+        """A local prompt count compared with vLLM's /tokenize (the counter's observer)."""
+        self.prompt_checks.labels(shape, "match" if matched else "mismatch").inc()
 
     def counted(self, count: TokenCount) -> None:
         method = count.method.value
@@ -250,7 +248,7 @@ class StateCollector(Collector):
         state = self.admission.state()
         src = self.sources
         info = src.engine()
-        bpb = info.bytes_per_block
+        bpb = info.bytes_per_block if info is not None else None
         out: list[Metric] = []
 
         def kv(name: str, doc: str, blocks: int | float | None) -> None:
@@ -345,7 +343,7 @@ class StateCollector(Collector):
                 f"{PREFIX}_expected_completion_ratio",
                 "Completion/max_tokens quantile reserved in expected mode (1 = worst case).",
                 value=self.admission.learner.ratio()
-                if self.admission.reservation_mode == "expected"
+                if self.admission.reservation_mode is ReservationMode.EXPECTED
                 else 1.0,
             )
         )
@@ -384,16 +382,17 @@ class StateCollector(Collector):
                 value=self.admission.preemptions_seen,
             )
         )
+        prefix_caching = info.prefix_caching if info is not None else None
         out.append(
             InfoMetricFamily(
                 f"{PREFIX}_vllm",
                 "The engine behind the sidecar.",
                 value={
-                    "model": info.model,
-                    "block_size": str(info.block_size),
-                    "num_gpu_blocks": str(info.num_gpu_blocks),
-                    "cache_dtype": info.cache_dtype,
-                    "prefix_caching": info.prefix_caching,
+                    "model": info.model if info is not None else "",
+                    "block_size": str(info.block_size if info is not None else 0),
+                    "num_gpu_blocks": str(info.num_gpu_blocks if info is not None else 0),
+                    "cache_dtype": info.cache_dtype if info is not None else "",
+                    "prefix_caching": "" if prefix_caching is None else str(prefix_caching).lower(),
                 },
             )
         )

@@ -14,10 +14,25 @@ here and pass through untouched.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from sidecar.errors import BadRequest
+
+__all__ = [
+    "GENERATION_PATHS",
+    "CountedEndpoint",
+    "Endpoint",
+    "GenerationRequest",
+    "check_messages",
+    "counting_view",
+    "parse_generation",
+]
+
 Endpoint = Literal["completions", "chat", "responses", "messages"]
+#: The endpoints whose prompts are counted: ``messages`` is counted as the chat vLLM makes of it.
+CountedEndpoint = Literal["completions", "chat", "responses"]
 
 #: Paths of vLLM's OpenAI-compatible server that generate, and how their bodies read.
 GENERATION_PATHS: dict[str, Endpoint] = {
@@ -32,37 +47,16 @@ MAX_PROMPTS = 1024
 MAX_N = 128
 
 
-class BadRequest(Exception):
-    """A request refused before it reaches vLLM; the proxy maps it to an OpenAI error body."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str = "invalid_request",
-        status: int = 400,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.status = status
-
-
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """What the sidecar needs to know about one generation request."""
 
     endpoint: Endpoint
     body: dict[str, Any]
-    model: str | None
     stream: bool
-    include_usage: bool
     max_tokens: int | None  # as requested (None: the rest of the context)
     max_tokens_param: str
     n: int
-    truncate_prompt_tokens: int | None
 
 
 def _depth_ok(value: Any, limit: int) -> bool:
@@ -104,9 +98,10 @@ def _check_prompt(prompt: Any) -> None:
         raise BadRequest(
             "'prompt' must be a string, a list of strings, or token ids", param="prompt"
         )
-    if len(prompt) > MAX_PROMPTS:
-        raise BadRequest(f"'prompt' lists more than {MAX_PROMPTS} prompts", param="prompt")
     first = prompt[0]
+    # A flat list of token ids is one prompt, however long.
+    if len(prompt) > MAX_PROMPTS and not (isinstance(first, int) and not isinstance(first, bool)):
+        raise BadRequest(f"'prompt' lists more than {MAX_PROMPTS} prompts", param="prompt")
     if isinstance(first, str):
         if not all(isinstance(p, str) for p in prompt):
             raise BadRequest("'prompt' mixes strings and other values", param="prompt")
@@ -130,17 +125,32 @@ def _check_prompt(prompt: Any) -> None:
         )
 
 
-def _check_messages(messages: Any, *, key: str = "messages") -> None:
+def check_messages(messages: object) -> list[Mapping[str, Any]]:
+    """``messages`` as a list of message objects, or :class:`BadRequest` saying what is wrong.
+
+    The one check of a chat body's messages: :func:`parse_generation` runs it on every chat and
+    messages body, and the prompt counter on every body it is asked to count.
+
+    >>> check_messages([{"role": "user", "content": "hi"}])
+    [{'role': 'user', 'content': 'hi'}]
+    >>> check_messages([{"content": "hi"}])
+    Traceback (most recent call last):
+    ...
+    sidecar.errors.BadRequest: 'messages[0].role' must be a string
+    """
     if not isinstance(messages, list) or not messages:
-        raise BadRequest(f"'{key}' must be a non-empty list", param=key)
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise BadRequest(f"'{key}[{i}]' must be an object", param=key)
+        if not isinstance(message, Mapping):
+            raise BadRequest(f"'messages[{i}]' must be an object", param="messages")
         if not isinstance(message.get("role"), str):
-            raise BadRequest(f"'{key}[{i}].role' must be a string", param=key)
+            raise BadRequest(f"'messages[{i}].role' must be a string", param="messages")
         content = message.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise BadRequest(f"'{key}[{i}].content' must be a string or a list", param=key)
+        if content is not None and not isinstance(content, str | list):
+            raise BadRequest(
+                f"'messages[{i}].content' must be a string or a list", param="messages"
+            )
+    return messages
 
 
 def parse_generation(endpoint: Endpoint, raw: bytes) -> GenerationRequest:
@@ -169,14 +179,13 @@ def parse_generation(endpoint: Endpoint, raw: bytes) -> GenerationRequest:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    include_usage = bool(options and options.get("include_usage"))
 
     if endpoint == "completions":
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
         _check_prompt(body["prompt"])
     elif endpoint in ("chat", "messages"):
-        _check_messages(body.get("messages"))
+        check_messages(body.get("messages"))
     else:  # responses
         inp = body.get("input")
         if isinstance(inp, list):
@@ -198,26 +207,20 @@ def parse_generation(endpoint: Endpoint, raw: bytes) -> GenerationRequest:
         raise BadRequest("'max_tokens' is required", param="max_tokens")
 
     n = _int_field(body, "n", minimum=1, maximum=MAX_N) or 1
-    truncate = body.get("truncate_prompt_tokens")
-    truncate_prompt_tokens = (
-        _int_field(body, "truncate_prompt_tokens", minimum=-1) if truncate is not None else None
-    )
+    if endpoint in ("completions", "chat"):
+        # validated here; the prompt counter applies it (vLLM reads it for these two only)
+        _int_field(body, "truncate_prompt_tokens", minimum=-1)
     return GenerationRequest(
         endpoint=endpoint,
         body=body,
-        model=model,
         stream=stream,
-        include_usage=include_usage,
         max_tokens=max_tokens,
         max_tokens_param=param,
         n=n,
-        truncate_prompt_tokens=truncate_prompt_tokens,
     )
 
 
-def counting_view(
-    request: GenerationRequest,
-) -> tuple[Literal["completions", "chat", "responses"], dict[str, Any]]:
+def counting_view(request: GenerationRequest) -> tuple[CountedEndpoint, dict[str, Any]]:
     """The endpoint and body to count prompt tokens with.
 
     vLLM serves ``/v1/messages`` (Anthropic's shape) by converting it to a chat completion: the

@@ -1,7 +1,7 @@
 r"""vLLM's Prometheus ``/metrics`` text, read into a typed :class:`EngineSnapshot`.
 
 This module owns the mapping from vLLM's metric names and labels to the engine-neutral fields
-the rest of the sidecar uses (KV blocks, usage, queue lengths, token and preemption counters).
+the rest of the sidecar uses (KV blocks, usage, running requests, token and preemption counters).
 It is pure: no I/O, no clock; the scraper passes the text and the times in.
 
 Tolerance rules, because the exposition changes between vLLM versions:
@@ -12,7 +12,7 @@ Tolerance rules, because the exposition changes between vLLM versions:
   drops ``_total`` from counter family names; the ``vllm_`` spelling (colon replaced by an
   underscore, as some relabelling pipelines do) is accepted too;
 * older names are accepted when the new one is absent (``vllm:gpu_cache_usage_perc`` for
-  ``vllm:kv_cache_usage_perc``, ``vllm:gpu_prefix_cache_*`` for ``vllm:prefix_cache_*``);
+  ``vllm:kv_cache_usage_perc``);
 * unknown labels are ignored, missing optional labels and values such as ``"None"`` read as None;
 * several engines (data parallel, label ``engine``) are summed; KV usage is weighted by each
   engine's usable blocks.
@@ -31,10 +31,9 @@ median of about 0.3 ms with changing values (about 1.1-1.4 ms for the first one)
 ...     'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="101"} 1.0\n'
 ...     'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n',
 ...     taken_at=0.0,
-...     wall_time=0.0,
 ... )
->>> snap.capacity_blocks, snap.used_blocks, snap.free_blocks
-(100, 25, 75)
+>>> snap.capacity_blocks, snap.used_blocks
+(100, 25)
 """
 
 from __future__ import annotations
@@ -48,41 +47,29 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from sidecar.errors import MetricsParseError, one_line
+
 __all__ = ["EngineSnapshot", "MetricsParseError", "parse_vllm_metrics"]
-
-
-class MetricsParseError(ValueError):
-    """vLLM's /metrics text could not be read into a snapshot (the message is one line)."""
 
 
 # Canonical names (without the "vllm:" prefix) of the samples read here. Older spellings map to
 # the current one and are used only when the current one is absent from the text.
 _CACHE_CONFIG = "cache_config_info"
 _RUNNING = "num_requests_running"
-_WAITING = "num_requests_waiting"
 _KV_USAGE = "kv_cache_usage_perc"
 _PREEMPTIONS = "num_preemptions_total"
 _GENERATION_TOKENS = "generation_tokens_total"
-_PROMPT_TOKENS = "prompt_tokens_total"
-_PREFIX_HITS = "prefix_cache_hits_total"
-_PREFIX_QUERIES = "prefix_cache_queries_total"
 
 _OLD_NAMES: dict[str, str] = {
     "gpu_cache_usage_perc": _KV_USAGE,  # vLLM V0 and early V1
-    "gpu_prefix_cache_hits_total": _PREFIX_HITS,  # V1 before the rename (about 0.10)
-    "gpu_prefix_cache_queries_total": _PREFIX_QUERIES,
 }
 _WANTED = frozenset(
     {
         _CACHE_CONFIG,
         _RUNNING,
-        _WAITING,
         _KV_USAGE,
         _PREEMPTIONS,
         _GENERATION_TOKENS,
-        _PROMPT_TOKENS,
-        _PREFIX_HITS,
-        _PREFIX_QUERIES,
         *_OLD_NAMES,
     }
 )
@@ -111,22 +98,16 @@ class EngineSnapshot:
     """
 
     taken_at: float  # time.monotonic() at the end of the scrape
-    wall_time: float  # time.time() at the end of the scrape
     block_size: int | None
     num_gpu_blocks: int | None  # summed over engines
     engines: int
     kv_cache_usage: float | None  # 0..1, weighted by each engine's usable blocks
     running: int
-    waiting: int
     preemptions_total: float
     generation_tokens_total: float
-    prompt_tokens_total: float
-    prefix_cache_hits_total: float
-    prefix_cache_queries_total: float
     cache_dtype: str | None
     prefix_caching: bool | None
     kv_cache_memory_bytes: int | None  # informational: vLLM's budget, not what the blocks take
-    model_name: str | None
     has_cache_config: bool
 
     @property
@@ -145,34 +126,26 @@ class EngineSnapshot:
         # usage is free-count based and exact up to float rounding, so round, never floor
         return min(capacity, max(0, round(self.kv_cache_usage * capacity)))
 
-    @property
-    def free_blocks(self) -> int | None:
-        capacity = self.capacity_blocks
-        used = self.used_blocks
-        if capacity is None or used is None:
-            return None
-        return capacity - used
-
     def age(self, now: float) -> float:
         """Seconds since the scrape, given ``now`` on the same clock as ``taken_at``."""
         return now - self.taken_at
 
 
-def parse_vllm_metrics(text: str, *, taken_at: float, wall_time: float) -> EngineSnapshot:
+def parse_vllm_metrics(text: str, *, taken_at: float) -> EngineSnapshot:
     """Read vLLM's /metrics text into a snapshot stamped with the given times.
 
     Raises :class:`MetricsParseError` (and nothing else) when the text holds no vLLM metric
     this module reads, or when one of those lines is malformed.
     """
     try:
-        return _parse(text, taken_at=taken_at, wall_time=wall_time)
+        return _parse(text, taken_at=taken_at)
     except MetricsParseError:
         raise
     except Exception as exc:  # the parser's errors are ValueErrors, but promise one type only
-        raise MetricsParseError(_one_line(f"unreadable vLLM metrics: {exc!r}")) from exc
+        raise MetricsParseError(one_line(f"unreadable vLLM metrics: {exc!r}")) from exc
 
 
-def _parse(text: str, *, taken_at: float, wall_time: float) -> EngineSnapshot:
+def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
     if not isinstance(text, str):
         raise MetricsParseError(f"expected str, got {type(text).__name__}")
     text = "\n" + text  # so that the first line matches the "\n" anchor too
@@ -193,7 +166,7 @@ def _parse(text: str, *, taken_at: float, wall_time: float) -> EngineSnapshot:
         try:
             samples = _parse_line(line)
         except ValueError as exc:
-            raise MetricsParseError(_one_line(f"malformed line {line[:120]!r}: {exc}")) from exc
+            raise MetricsParseError(one_line(f"malformed line {line[:120]!r}: {exc}")) from exc
         for sample in samples:
             short = sample.name[5:]  # both accepted prefixes are five characters
             if short in _OLD_NAMES:
@@ -213,22 +186,16 @@ def _parse(text: str, *, taken_at: float, wall_time: float) -> EngineSnapshot:
 
     return EngineSnapshot(
         taken_at=taken_at,
-        wall_time=wall_time,
         block_size=_label_int(first_config, "block_size"),
         num_gpu_blocks=num_gpu_blocks,
         engines=max(1, len(engines)),
         kv_cache_usage=_kv_usage(by_name.get(_KV_USAGE, {}), blocks_per_engine),
         running=round(_total(by_name, _RUNNING)),
-        waiting=round(_total(by_name, _WAITING)),
         preemptions_total=_total(by_name, _PREEMPTIONS),
         generation_tokens_total=_total(by_name, _GENERATION_TOKENS),
-        prompt_tokens_total=_total(by_name, _PROMPT_TOKENS),
-        prefix_cache_hits_total=_total(by_name, _PREFIX_HITS),
-        prefix_cache_queries_total=_total(by_name, _PREFIX_QUERIES),
         cache_dtype=_label_str(first_config, "cache_dtype"),
         prefix_caching=_label_bool(first_config, "enable_prefix_caching"),
         kv_cache_memory_bytes=_label_int(first_config, "kv_cache_memory_bytes"),
-        model_name=_model_name(by_name),
         has_cache_config=bool(config),
     )
 
@@ -286,16 +253,6 @@ def _clamp01(value: float) -> float:
     return min(1.0, max(0.0, value))
 
 
-def _model_name(by_name: Mapping[str, Mapping[str, _Sample]]) -> str | None:
-    # cache_config_info has no model_name; the request gauges carry it.
-    for name in (_RUNNING, _WAITING, _KV_USAGE, _GENERATION_TOKENS, _PROMPT_TOKENS):
-        for sample in by_name.get(name, {}).values():
-            model = _label_str(sample.labels, "model_name")
-            if model is not None:
-                return model
-    return None
-
-
 def _label_str(labels: Mapping[str, str], key: str) -> str | None:
     value = labels.get(key)
     if value is None or value.strip() in ("", "None", "null"):
@@ -328,8 +285,3 @@ def _label_bool(labels: Mapping[str, str], key: str) -> bool | None:
     if lowered in ("false", "0", "no"):
         return False
     return None
-
-
-def _one_line(message: str, limit: int = 300) -> str:
-    flat = " ".join(message.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."

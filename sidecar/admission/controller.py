@@ -7,7 +7,8 @@ admitted when its reservation fits; otherwise, by policy, it is refused with 429
 in a FIFO queue (only the head may be admitted, so a large request is not starved by small ones
 behind it) that is re-evaluated on every release and every scrape.
 
-Outcomes are values (:class:`Decision`), not exceptions; ``sidecar.errors`` maps them to HTTP.
+Outcomes are values (:class:`Decision`), not exceptions; ``sidecar.http.refusals`` maps them
+to HTTP.
 """
 
 from __future__ import annotations
@@ -19,41 +20,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
-from sidecar.ledger import Ledger, Reservation
-from sidecar.projection import Projection
-from sidecar.settings import Policy, StalePolicy
-from sidecar.settings import Reservation as ReservationMode
-from sidecar.vllm_metrics import EngineSnapshot
+from sidecar.admission.decisions import Decision, Outcome, Reason
+from sidecar.config import Policy, ReservationMode, StalePolicy
+from sidecar.engine.snapshot import EngineSnapshot
+from sidecar.kv.ledger import Ledger, Reservation
+from sidecar.kv.projection import Projection
 
-log = logging.getLogger("sidecar.admission")
+log = logging.getLogger("sidecar.admission.controller")
 
 MIN_RETRY_AFTER = 1.0
 MAX_RETRY_AFTER = 60.0
-
-
-class Outcome(StrEnum):
-    ADMIT = "admit"
-    REJECT = "reject"
-    CANCEL = "cancel"
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The gate's answer for one request. ``reason`` is a bounded metric label."""
-
-    outcome: Outcome
-    reason: str
-    reservation: Reservation | None = None
-    retry_after: float | None = None
-    message: str = ""
-    waited_seconds: float = 0.0
-
-    @property
-    def admitted(self) -> bool:
-        return self.outcome is Outcome.ADMIT
 
 
 class CompletionLearner:
@@ -159,25 +137,25 @@ class AdmissionController:
         self,
         ledger: Ledger,
         *,
-        policy: Policy = "queue",
+        policy: Policy = Policy.QUEUE,
         headroom: float = 0.05,
         max_queue_depth: int = 256,
         max_queue_wait: float = 30.0,
-        reservation: ReservationMode = "worst-case",
+        reservation: ReservationMode = ReservationMode.WORST_CASE,
         expected_quantile: float = 0.95,
         expected_prior: float = 1.0,
         stale_after: float = 5.0,
-        stale_policy: StalePolicy = "open",
+        stale_policy: StalePolicy = StalePolicy.OPEN,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ledger = ledger
-        self.policy = policy
+        self.policy = Policy(policy)
         self.headroom = headroom
         self.max_queue_depth = max_queue_depth
         self.max_queue_wait = max_queue_wait
-        self.reservation_mode = reservation
+        self.reservation_mode = ReservationMode(reservation)
         self.stale_after = stale_after
-        self.stale_policy = stale_policy
+        self.stale_policy = StalePolicy(stale_policy)
         self.learner = CompletionLearner(expected_quantile, prior=expected_prior, clock=clock)
         self._clock = clock
         self._queue: deque[_Waiter] = deque()
@@ -200,7 +178,7 @@ class AdmissionController:
             self.capacity_blocks = snap.capacity_blocks
         if prev is not None and snap.preemptions_total > prev.preemptions_total:
             self.preemptions_seen += snap.preemptions_total - prev.preemptions_total
-            if self.reservation_mode == "expected":
+            if self.reservation_mode is ReservationMode.EXPECTED:
                 self.learner.tighten()
                 log.warning("vLLM preempted; expected-mode reservations tightened")
         self._estimate_hidden_progress(snap)
@@ -299,7 +277,7 @@ class AdmissionController:
         return need
 
     def _need_blocks(self, projection: Projection) -> int:
-        if self.reservation_mode == "worst-case":
+        if self.reservation_mode is ReservationMode.WORST_CASE:
             return projection.peak_blocks
         ratio = self.learner.ratio()
         if ratio >= 1.0:
@@ -321,7 +299,7 @@ class AdmissionController:
     def _admit(self, projection: Projection, need: int, streamed: bool) -> Reservation:
         return self.ledger.reserve(projection, reserved_blocks=need, streamed=streamed)
 
-    def _refuse(self, reason: str, message: str, need: int, waited: float = 0.0) -> Decision:
+    def _refuse(self, reason: Reason, message: str, need: int, waited: float = 0.0) -> Decision:
         return Decision(
             Outcome.REJECT,
             reason,
@@ -334,7 +312,7 @@ class AdmissionController:
     def _draining_refusal(waited: float = 0.0) -> Decision:
         return Decision(
             Outcome.REJECT,
-            "draining",
+            Reason.DRAINING,
             retry_after=MIN_RETRY_AFTER,
             message="the sidecar is shutting down; retry on another replica",
             waited_seconds=waited,
@@ -346,24 +324,24 @@ class AdmissionController:
             return self._draining_refusal()
         need = self.need_blocks(projection)
         stale = self.is_stale()
-        if stale and self.stale_policy == "closed":
+        if stale and self.stale_policy is StalePolicy.CLOSED:
             return Decision(
                 Outcome.REJECT,
-                "stale_closed",
+                Reason.STALE_CLOSED,
                 retry_after=MIN_RETRY_AFTER,
                 message="vLLM's metrics are stale; refusing (stale policy closed)",
             )
         budget = self.budget_blocks()
-        if self.policy == "observe":
+        if self.policy is Policy.OBSERVE:
             # dry run: account for everything, gate nothing
-            reason = "fits" if not self._queue and self._fits(need) else "observed"
+            reason = Reason.FITS if not self._queue and self._fits(need) else Reason.OBSERVED
             return Decision(
                 Outcome.ADMIT, reason, reservation=self._admit(projection, need, streamed)
             )
         if budget is not None and projection.exact and projection.peak_blocks > budget:
             return Decision(
                 Outcome.REJECT,
-                "too_large",
+                Reason.TOO_LARGE,
                 message=(
                     f"this request can reach {projection.peak_blocks} KV blocks "
                     f"({projection.peak_tokens} tokens) but the KV budget is {budget} blocks; "
@@ -371,14 +349,14 @@ class AdmissionController:
                 ),
             )
         if not self._queue and self._fits(need):
-            reason = "stale_open" if stale else "fits"
+            reason = Reason.STALE_OPEN if stale else Reason.FITS
             return Decision(
                 Outcome.ADMIT, reason, reservation=self._admit(projection, need, streamed)
             )
-        if self.policy == "reject":
-            return self._refuse("kv_cache_full", "the KV cache is full; retry later", need)
+        if self.policy is Policy.REJECT:
+            return self._refuse(Reason.KV_CACHE_FULL, "the KV cache is full; retry later", need)
         if len(self._queue) >= self.max_queue_depth:
-            return self._refuse("queue_full", "the admission queue is full; retry later", need)
+            return self._refuse(Reason.QUEUE_FULL, "the admission queue is full; retry later", need)
         return None
 
     async def wait(
@@ -411,14 +389,17 @@ class AdmissionController:
         waited = self._clock() - waiter.enqueued_at
         if waiter.future.done() and not waiter.future.cancelled():
             return Decision(
-                Outcome.ADMIT, "queued", reservation=waiter.future.result(), waited_seconds=waited
+                Outcome.ADMIT,
+                Reason.QUEUED,
+                reservation=waiter.future.result(),
+                waited_seconds=waited,
             )
         if cancelled is not None and cancelled.is_set():
-            return Decision(Outcome.CANCEL, "client_disconnect", waited_seconds=waited)
+            return Decision(Outcome.CANCEL, Reason.CLIENT_DISCONNECT, waited_seconds=waited)
         if self.draining:
             return self._draining_refusal(waited)
         return self._refuse(
-            "queue_timeout",
+            Reason.QUEUE_TIMEOUT,
             f"waited {waited:.1f}s for KV cache without room; retry later",
             need,
             waited,
@@ -442,9 +423,9 @@ class AdmissionController:
                 self._queue.popleft()
                 self._queued_peak_blocks -= head.projection.peak_blocks
                 continue
-            if self.stale_policy == "closed" and self.is_stale():
+            if self.stale_policy is StalePolicy.CLOSED and self.is_stale():
                 return  # wait for fresh engine data (or the deadline)
-            if self.reservation_mode == "expected":
+            if self.reservation_mode is ReservationMode.EXPECTED:
                 # the learned ratio moves while a request waits: reserve what it says now
                 head.need_blocks = self.need_blocks(head.projection)
             if not self._fits(head.need_blocks):
@@ -452,6 +433,14 @@ class AdmissionController:
             self._queue.popleft()
             self._queued_peak_blocks -= head.projection.peak_blocks
             head.future.set_result(self._admit(head.projection, head.need_blocks, head.streamed))
+
+    def started(self, res: Reservation) -> None:
+        """vLLM holds the request's prompt now (its first token came, or it was handed over)."""
+        self.ledger.start(res)
+
+    def progressed(self, res: Reservation, generated_per_sequence: float) -> None:
+        """The request has generated this many tokens per sequence."""
+        self.ledger.advance(res, generated_per_sequence)
 
     def release(self, res: Reservation) -> None:
         """The request is over (answered, failed or abandoned). Idempotent."""

@@ -1,7 +1,7 @@
 """The vLLM ``/metrics`` scraper: one asyncio task that keeps the latest :class:`EngineSnapshot`.
 
 This module owns the polling loop and its health state (``up``, ``last_error``, counters); the
-parsing lives in :mod:`sidecar.vllm_metrics`. The loop never raises: a failed scrape keeps the
+parsing lives in :mod:`sidecar.engine.snapshot`. The loop never raises: a failed scrape keeps the
 last good snapshot, whose growing :meth:`Scraper.age` is what callers treat as staleness.
 
 Timing: a scrape starts every ``interval`` seconds on a fixed schedule (so sleep jitter does not
@@ -35,7 +35,8 @@ from collections.abc import Callable
 import anyio
 import httpx
 
-from sidecar.vllm_metrics import EngineSnapshot, MetricsParseError, parse_vllm_metrics
+from sidecar.engine.snapshot import EngineSnapshot, parse_vllm_metrics
+from sidecar.errors import MetricsParseError, one_line
 
 __all__ = ["DEFAULT_MIN_TIMEOUT_SECONDS", "Scraper", "SnapshotListener", "next_scrape_start"]
 
@@ -48,7 +49,7 @@ DEFAULT_MIN_TIMEOUT_SECONDS = 2.0
 # OpenMetrics, which prometheus_client's text parser does not read.
 _ACCEPT = "text/plain;version=0.0.4;q=1.0, */*;q=0.1"
 
-logger = logging.getLogger("sidecar.scraper")
+logger = logging.getLogger("sidecar.engine.scraper")
 
 
 class Scraper:
@@ -133,7 +134,7 @@ class Scraper:
             except Exception as exc:  # a bug here must not kill the loop: report it as a failure
                 if self._state_logged is not False:  # a traceback once per failure streak
                     logger.exception("unexpected scrape failure")
-                self._failed(_one_line(f"unexpected error: {type(exc).__name__}: {exc}"))
+                self._failed(one_line(f"unexpected error: {type(exc).__name__}: {exc}"))
                 return None
             self._succeeded(snapshot)
             return snapshot
@@ -151,7 +152,7 @@ class Scraper:
             return
         task.cancel()
         # asyncio.wait never raises the task's CancelledError, yet still lets our own caller's
-        # cancellation through (Python 3.10 has no Task.cancelling() to tell them apart).
+        # cancellation through.
         await asyncio.wait({task})
         if not task.cancelled() and task.exception() is not None:
             logger.error("scraper task had failed", exc_info=task.exception())
@@ -186,7 +187,7 @@ class Scraper:
         # Prometheus text is UTF-8 by specification; do not let a missing charset guess.
         text = response.content.decode("utf-8", errors="replace")
         try:
-            snapshot = parse_vllm_metrics(text, taken_at=self._clock(), wall_time=time.time())
+            snapshot = parse_vllm_metrics(text, taken_at=self._clock())
         except MetricsParseError as exc:
             raise _ScrapeFailed(f"parse error: {exc}") from exc
         if not snapshot.has_cache_config:
@@ -258,9 +259,4 @@ class _ScrapeFailed(Exception):
 
 
 def _describe(exc: BaseException) -> str:
-    return _one_line(str(exc) or type(exc).__name__)
-
-
-def _one_line(message: str, limit: int = 300) -> str:
-    flat = " ".join(message.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+    return one_line(str(exc) or type(exc).__name__)

@@ -4,8 +4,8 @@ One ledger per process (one event loop, no locks). Every admitted request holds 
 :class:`Reservation` until its answer ends, fails or its client leaves; ``release`` is idempotent.
 Totals are kept as running sums so the admission decision reads them in O(1).
 
->>> from sidecar.geometry import UniformBlocks
->>> from sidecar.projection import project_counts
+>>> from sidecar.kv.geometry import UniformBlocks
+>>> from sidecar.kv.projection import project_counts
 >>> blocks = UniformBlocks(128)
 >>> ledger = Ledger(blocks)
 >>> p = project_counts((200,), requested_max_tokens=100, n=1, max_model_len=1024, blocks=blocks)
@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from sidecar.projection import BlockMath, Projection
+from sidecar.kv.projection import BlockMath, Projection
 
 
 @dataclass(slots=True, eq=False)
@@ -67,7 +67,6 @@ class Ledger:
         self.reserved_blocks = 0
         self.predicted_blocks = 0
         self.peak_blocks = 0
-        self.released_total = 0
         self._rate_window = rate_window_seconds
         self._freed: deque[tuple[float, int]] = deque()
         self._freed_sum = 0
@@ -134,7 +133,6 @@ class Ledger:
         self.reserved_blocks -= res.reserved_blocks
         self.predicted_blocks -= res.predicted_blocks
         self.peak_blocks -= res.projection.peak_blocks
-        self.released_total += 1
         now = self._clock()
         held = now - res.admitted_at
         self._hold_seconds_ewma = (

@@ -3,7 +3,7 @@
 Pure functions. ``max_tokens`` absent means the rest of the context; a request for more output
 than ``max_model_len`` or a prompt longer than it gets vLLM's own 400 message, without a round trip.
 
->>> from sidecar.geometry import UniformBlocks
+>>> from sidecar.kv.geometry import UniformBlocks
 >>> p = project_counts((449,), requested_max_tokens=600, n=1, max_model_len=1024,
 ...                    blocks=UniformBlocks(128))
 >>> p.max_tokens, p.peak_blocks
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from sidecar.request import BadRequest, GenerationRequest
+from sidecar.errors import BadRequest
 
 
 class BlockMath(Protocol):
@@ -23,6 +23,9 @@ class BlockMath(Protocol):
 
     @property
     def block_size(self) -> int: ...
+
+    @property
+    def group_caps(self) -> tuple[int | None, ...]: ...
 
     def blocks_for_tokens(self, num_tokens: int) -> int: ...
 
@@ -66,13 +69,14 @@ def project_counts(
     max_model_len: int,
     blocks: BlockMath,
     max_tokens_param: str = "max_tokens",
-    truncate_prompt_tokens: int | None = None,
     exact: bool = True,
 ) -> Projection:
     """Project a request from its prompt token counts, or raise vLLM's 400 as BadRequest.
 
-    With ``exact=False`` the counts are upper bounds: they are capped at the context instead of
-    refused, since only vLLM can tell whether the prompt really is too long.
+    ``prompt_tokens`` are the counts vLLM keeps, already truncated: the prompt counter applies
+    ``truncate_prompt_tokens`` (``sidecar.counting.plan.Truncation``, the only place it is
+    interpreted). With ``exact=False`` the counts are upper bounds: they are capped at the context
+    instead of refused, since only vLLM can tell whether the prompt really is too long.
     """
     if requested_max_tokens is not None and requested_max_tokens > max_model_len:
         # vLLM: renderers/params.py TokenizeParams.__post_init__
@@ -85,10 +89,6 @@ def project_counts(
     counts: list[int] = []
     effective: list[int] = []
     for count in prompt_tokens:
-        if truncate_prompt_tokens is not None:
-            count = min(
-                count, max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-            )
         if not exact:
             count = min(count, max_model_len - 1)
         if count > max_model_len:
@@ -109,24 +109,3 @@ def project_counts(
         blocks.blocks_for_tokens(c + m) for c, m in zip(counts, effective, strict=True)
     )
     return Projection(tuple(counts), tuple(effective), n, prompt_blocks, peak_blocks, exact)
-
-
-def project(
-    request: GenerationRequest,
-    prompt_tokens: tuple[int, ...],
-    *,
-    max_model_len: int,
-    blocks: BlockMath,
-    exact: bool = True,
-) -> Projection:
-    """Project a parsed request whose prompts have been counted."""
-    return project_counts(
-        prompt_tokens,
-        exact=exact,
-        requested_max_tokens=request.max_tokens,
-        n=request.n,
-        max_model_len=max_model_len,
-        blocks=blocks,
-        max_tokens_param=request.max_tokens_param,
-        truncate_prompt_tokens=request.truncate_prompt_tokens,
-    )

@@ -1,0 +1,97 @@
+"""Decisions and their reasons: closed enums, and the one table from reason to HTTP.
+
+A decision is a value (:class:`Decision`), never an exception. ``Outcome`` and ``Reason`` are
+the labels of ``kv_sidecar_requests_total{decision,reason}`` (low cardinality, every pair
+exported from zero); :data:`REFUSALS` gives each refusing reason its HTTP status, OpenAI error
+type and error code. ``sidecar.http.refusals`` turns a decision into a response from this table
+alone.
+
+>>> REFUSALS[Reason.KV_CACHE_FULL]
+Refusal(status=429, type='rate_limit_error', code='kv_cache_full')
+>>> sorted({outcome.value for outcome, _ in DECISION_LABELS})
+['admit', 'cancel', 'reject']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from sidecar.kv.ledger import Reservation
+
+
+class Outcome(StrEnum):
+    ADMIT = "admit"
+    REJECT = "reject"
+    CANCEL = "cancel"
+
+
+class Reason(StrEnum):
+    """Why the gate decided as it did (the ``reason`` label)."""
+
+    # admitted
+    FITS = "fits"
+    QUEUED = "queued"
+    STALE_OPEN = "stale_open"
+    OBSERVED = "observed"
+    # refused by the gate
+    KV_CACHE_FULL = "kv_cache_full"
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    TOO_LARGE = "too_large"
+    DRAINING = "draining"
+    STALE_CLOSED = "stale_closed"
+    NOT_READY = "not_ready"
+    # refused before the gate
+    PROMPT_TOO_LONG = "prompt_too_long"
+    BAD_REQUEST = "bad_request"
+    # cancelled
+    CLIENT_DISCONNECT = "client_disconnect"
+
+
+class Refusal(NamedTuple):
+    """How a refusal reads on the wire."""
+
+    status: int
+    type: str
+    code: str
+
+
+#: reason -> (HTTP status, OpenAI error type, error code); bad requests carry their own code
+REFUSALS: dict[Reason, Refusal] = {
+    Reason.KV_CACHE_FULL: Refusal(429, "rate_limit_error", "kv_cache_full"),
+    Reason.QUEUE_FULL: Refusal(429, "rate_limit_error", "queue_full"),
+    Reason.QUEUE_TIMEOUT: Refusal(429, "rate_limit_error", "queue_timeout"),
+    Reason.TOO_LARGE: Refusal(413, "invalid_request_error", "kv_budget_exceeded"),
+    Reason.DRAINING: Refusal(503, "service_unavailable_error", "draining"),
+    Reason.STALE_CLOSED: Refusal(503, "service_unavailable_error", "engine_metrics_stale"),
+    Reason.NOT_READY: Refusal(503, "service_unavailable_error", "engine_not_ready"),
+}
+
+_ADMIT = (Reason.FITS, Reason.QUEUED, Reason.STALE_OPEN, Reason.OBSERVED)
+_CANCEL = (Reason.CLIENT_DISCONNECT,)
+
+#: every (decision, reason) pair the sidecar counts, exported from zero
+DECISION_LABELS: tuple[tuple[Outcome, Reason], ...] = (
+    *((Outcome.ADMIT, r) for r in _ADMIT),
+    *((Outcome.REJECT, r) for r in Reason if r not in _ADMIT and r not in _CANCEL),
+    *((Outcome.CANCEL, r) for r in _CANCEL),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The gate's answer for one request."""
+
+    outcome: Outcome
+    reason: Reason
+    reservation: Reservation | None = None
+    retry_after: float | None = None
+    message: str = ""
+    waited_seconds: float = 0.0
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome is Outcome.ADMIT

@@ -1,0 +1,175 @@
+"""The model's own tokenizer and chat template, in this process: exact local prompt counts.
+
+:class:`ModelTokenizer` wraps a transformers fast tokenizer (untyped behind it) with a small
+pool of copies, so that a long prompt can be counted on a worker thread while the event loop
+keeps serving; :func:`count_locally` counts a plan with it. What vLLM does to the messages
+before the template sees them is in :mod:`sidecar.counting.render`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import queue
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sidecar.counting.content_format import detect_content_format
+from sidecar.counting.plan import ChatPlan, CompletionPlan
+from sidecar.counting.render import (
+    NeedsUpstream,
+    conversation,
+    fold_developer,
+    supports_developer_role,
+)
+
+#: Model types whose chat prompts vLLM renders without the HF chat template (Harmony).
+_HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
+#: Tokenizer copies beyond the first: one per worker thread of the counter.
+OFFLOAD_WORKERS = 2
+_NO_LENGTH_LIMIT = 1 << 62
+
+
+class ModelTokenizer:
+    """The model's fast tokenizer and chat template, safe to use from several threads.
+
+    Fast tokenizers are not safe to share between threads, so, like vLLM, each call borrows
+    its own copy from a small pool.
+
+    Usage (loading takes seconds)::
+
+        tok = ModelTokenizer.load("/models/tiny")
+        tok.count_text("hello world", add_special_tokens=True)  # 3
+    """
+
+    def __init__(self, hf_tokenizer: Any, *, path: Path, harmony: bool = False) -> None:
+        self.path = path
+        #: the model renders chat with Harmony, not its HF chat template (gpt-oss)
+        self.harmony = harmony
+        self._pristine = copy.deepcopy(hf_tokenizer)
+        self._pool: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pool.put(hf_tokenizer)
+        for _ in range(OFFLOAD_WORKERS):
+            self._pool.put(copy.deepcopy(hf_tokenizer))
+        self._lock = threading.Lock()
+        self._templates = {tools: _chat_template(hf_tokenizer, tools) for tools in (False, True)}
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelTokenizer:
+        """Load the tokenizer in ``path`` (a model or tokenizer directory). Slow: seconds."""
+        directory = Path(path)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{directory} is not a directory")
+        if _is_mistral_repo(directory):
+            # vLLM uses mistral-common for these, not the HF tokenizer.
+            raise ValueError(f"{directory} is a Mistral-format repository")
+        from transformers import AutoTokenizer
+
+        # Local files only: the sidecar never reaches out to a model hub.
+        hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        if not getattr(hf, "is_fast", False):
+            raise ValueError(f"{directory} has no fast tokenizer")
+        # Counting a prompt longer than the context is expected here (the caller refuses it);
+        # without this, transformers logs a warning about it.
+        hf.model_max_length = _NO_LENGTH_LIMIT
+        return cls(hf, path=directory, harmony=_model_type(directory) in _HARMONY_MODEL_TYPES)
+
+    @contextmanager
+    def _borrow(self) -> Iterator[Any]:
+        try:
+            tok = self._pool.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                tok = copy.deepcopy(self._pristine)
+        try:
+            yield tok
+        finally:
+            self._pool.put(tok)
+
+    def count_text(self, text: str, *, add_special_tokens: bool) -> int:
+        with self._borrow() as tok:
+            # the Rust tokenizer itself: what transformers' __call__ runs for a fast tokenizer,
+            # without its per-call Python (measured at ~40% of a short prompt's count)
+            encoding = tok.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return len(encoding.ids)
+
+    def chat_template(self, *, with_tools: bool) -> str | None:
+        """The template vLLM picks (a ``tool_use`` variant when tools are given), or None."""
+        return self._templates[with_tools]
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any]
+    ) -> str | list[int]:
+        """The chat prompt vLLM renders: text, or token ids when the kwargs ask it to tokenize.
+
+        Raises :class:`NeedsUpstream` for content it cannot expand, anything else on a
+        template error.
+        """
+        call_kwargs = dict(kwargs)
+        tools = call_kwargs.pop("tools", None)
+        tokenize = bool(call_kwargs.pop("tokenize", False))
+        call_kwargs.pop("return_dict", None)
+        template = self.chat_template(with_tools=tools is not None)
+        if template is None:
+            raise NeedsUpstream("no chat template in the tokenizer")
+        chat = conversation(messages, detect_content_format(template))
+        if any(m["role"] == "developer" for m in chat) and not supports_developer_role(template):
+            chat = fold_developer(chat)
+        with self._borrow() as tok:
+            rendered = tok.apply_chat_template(
+                chat,
+                tools=tools,
+                chat_template=template,
+                tokenize=tokenize,
+                return_dict=False,
+                **call_kwargs,
+            )
+        if tokenize:
+            return [int(t) for t in rendered]
+        return str(rendered)
+
+
+def _chat_template(hf_tokenizer: Any, with_tools: bool) -> str | None:
+    try:
+        template = hf_tokenizer.get_chat_template(None, tools=[] if with_tools else None)
+    except Exception:  # no template at all
+        return None
+    return template if isinstance(template, str) else None
+
+
+def _is_mistral_repo(directory: Path) -> bool:
+    if not directory.is_dir() or not any(directory.glob("consolidated*.safetensors")):
+        return False
+    return (directory / "tekken.json").exists() or any(directory.glob("tokenizer.model.v*"))
+
+
+def _model_type(directory: Path) -> str | None:
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("model_type") if isinstance(config, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def count_locally(tokenizer: ModelTokenizer, plan: CompletionPlan | ChatPlan) -> list[int]:
+    """The exact local count (blocking; may run on a worker thread)."""
+    if isinstance(plan, CompletionPlan):
+        return [
+            len(p)
+            if isinstance(p, list)
+            else tokenizer.count_text(p, add_special_tokens=plan.add_special_tokens)
+            for p in plan.prompts
+        ]
+    if plan.upstream_only:
+        raise NeedsUpstream(plan.upstream_only)
+    kwargs = plan.local_kwargs()
+    if kwargs.get("chat_template") is not None:
+        raise NeedsUpstream("a request-supplied chat template")
+    rendered = tokenizer.render_chat(plan.messages, kwargs)
+    if isinstance(rendered, list):
+        return [len(rendered)]
+    return [tokenizer.count_text(rendered, add_special_tokens=plan.add_special_tokens)]

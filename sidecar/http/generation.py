@@ -1,0 +1,211 @@
+"""The generation path: one request from its body to the release of its reservation.
+
+::
+
+    body -> parse -> count prompt tokens -> project KV -> admit / queue / refuse
+         -> relay vLLM's answer (tracking generated tokens) -> release the reservation
+
+Each request is counted once in ``kv_sidecar_requests_total``: at the gate, or where it was
+refused before the gate (bad body, prompt too long, engine not ready). What happens after
+admission (vLLM unreachable, a timeout, a broken answer) is counted in
+``kv_sidecar_upstream_errors_total``, not as a second decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from sidecar.admission.decisions import Outcome, Reason
+from sidecar.counting import GenerationRequest, counting_view, parse_generation
+from sidecar.errors import BadRequest, UpstreamError
+from sidecar.http import refusals
+from sidecar.http.headers import forward_headers
+from sidecar.http.relay import Relay, read_body, respond, watch_disconnect
+from sidecar.http.seams import Engine, Gate, MetricsSink
+from sidecar.http.types import Receive, Scope, Send
+from sidecar.http.usage import UsageTracker
+from sidecar.kv.ledger import Reservation
+from sidecar.kv.projection import Projection, project_counts
+
+log = logging.getLogger(__name__)
+
+#: seconds a client should wait while the sidecar has not reached vLLM yet
+NOT_READY_RETRY_AFTER = 2.0
+_DROP_REQUEST_HEADERS = frozenset({b"host", b"content-length"})
+
+
+class GenerationPath:
+    """Admission-controlled forwarding of generation requests."""
+
+    def __init__(
+        self,
+        *,
+        gate: Gate,
+        engine: Callable[[], Engine | None],
+        metrics: MetricsSink,
+        relay: Relay,
+        max_body_bytes: int,
+    ) -> None:
+        self.gate = gate
+        self.engine = engine
+        self.metrics = metrics
+        self.relay = relay
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, raw_path: bytes, endpoint: str
+    ) -> None:
+        try:
+            raw = await self._read(scope, receive)
+            if raw is None:
+                return  # the client left before sending its request
+            request = parse_generation(endpoint, raw)  # type: ignore[arg-type]
+        except BadRequest as exc:
+            self.metrics.refused(Reason.BAD_REQUEST)
+            await respond(send, refusals.from_error(exc))
+            return
+
+        engine = self.engine()
+        if engine is None:
+            self.metrics.refused(Reason.NOT_READY, NOT_READY_RETRY_AFTER)
+            await respond(
+                send,
+                refusals.refusal(
+                    Reason.NOT_READY, "the sidecar has not reached vLLM yet", NOT_READY_RETRY_AFTER
+                ),
+            )
+            return
+
+        disconnected = asyncio.Event()
+        watcher = watch_disconnect(receive, disconnected)
+        reservation: Reservation | None = None
+        try:
+            t0 = time.perf_counter()
+            try:
+                count = await engine.counter.count(*counting_view(request))
+                self.metrics.counted(count)
+                t1 = time.perf_counter()
+                projection = project_counts(
+                    count.prompts,
+                    requested_max_tokens=request.max_tokens,
+                    n=request.n,
+                    max_model_len=engine.config.max_model_len,
+                    blocks=engine.config.blocks,
+                    max_tokens_param=request.max_tokens_param,
+                    exact=count.exact,
+                )
+            except BadRequest as exc:
+                too_long = exc.code == "context_length_exceeded"
+                self.metrics.refused(Reason.PROMPT_TOO_LONG if too_long else Reason.BAD_REQUEST)
+                await respond(send, refusals.from_error(exc))
+                return
+            self.metrics.projected(projection, engine.config.bytes_per_block)
+            decision = self.gate.try_admit(projection, streamed=request.stream)
+            self.metrics.decision_time(time.perf_counter() - t1)
+            if decision is None:  # queue it
+                decision = await self.gate.wait(
+                    projection, streamed=request.stream, cancelled=disconnected
+                )
+                self.metrics.queue_waited(decision.waited_seconds)
+            self.metrics.decided(decision)
+            if decision.outcome is Outcome.CANCEL:
+                return
+            if not decision.admitted:
+                await respond(send, refusals.from_decision(decision))
+                return
+            reservation = decision.reservation
+            assert reservation is not None
+            if disconnected.is_set():
+                return
+            log.debug(
+                "admitted %s: %d prompt tokens (%s), %d blocks reserved in %.0f us",
+                endpoint,
+                projection.prompt_total,
+                count.method.value,
+                reservation.reserved_blocks,
+                (time.perf_counter() - t0) * 1e6,
+            )
+            await self._forward(
+                scope, send, raw_path, raw, request, projection, reservation, disconnected
+            )
+        finally:
+            watcher.cancel()
+            if reservation is not None:
+                self.gate.release(reservation)
+
+    async def _read(self, scope: Scope, receive: Receive) -> bytes | None:
+        limit = self.max_body_bytes
+        for name, value in scope["headers"]:
+            if name.lower() == b"content-length" and value.isdigit() and int(value) > limit:
+                raise BadRequest(
+                    f"request body exceeds {limit} bytes", code="body_too_large", status=413
+                )
+        return await read_body(receive, limit)
+
+    async def _forward(
+        self,
+        scope: Scope,
+        send: Send,
+        raw_path: bytes,
+        raw: bytes,
+        request: GenerationRequest,
+        projection: Projection,
+        reservation: Reservation,
+        disconnected: asyncio.Event,
+    ) -> None:
+        headers = forward_headers(scope["headers"], drop=_DROP_REQUEST_HEADERS)
+        url = self.relay.url(raw_path, scope["query_string"])
+        # A non-streamed answer's headers come only when vLLM has finished: watch the client
+        # meanwhile, and cancel (vLLM then aborts the generation) if it leaves.
+        sending = asyncio.ensure_future(self.relay.send("POST", url, headers, raw))
+        gone = asyncio.ensure_future(disconnected.wait())
+        try:
+            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not sending.done():
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, UpstreamError):
+                await sending
+            return
+        try:
+            response = sending.result()
+        except UpstreamError as exc:
+            self.metrics.upstream_failed(exc.kind)
+            await respond(send, refusals.from_error(exc))
+            return
+
+        gate = self.gate
+        tracker = UsageTracker()
+        sequences = max(projection.sequences, 1)
+        streamed = request.stream
+        if not streamed:
+            gate.started(reservation)  # no sign of its prefill will come: count it from now
+
+        def on_chunk(chunk: bytes) -> None:
+            tracker.feed(chunk, sse=streamed)
+            if streamed:
+                gate.started(reservation)  # the first event comes after vLLM's prefill
+                gate.progressed(reservation, tracker.events / sequences)
+
+        completed = False
+        try:
+            if response.status_code >= 500:
+                self.metrics.upstream_failed("status_5xx")
+            completed = await self.relay.relay(response, send, disconnected, on_chunk)
+        except UpstreamError as exc:
+            self.metrics.upstream_failed(exc.kind)
+        finally:
+            await response.aclose()
+        tokens = tracker.completion_tokens
+        if tokens is None and streamed:
+            tokens = tracker.events  # no usage chunk asked for: one event per token per sequence
+        if tokens is not None:
+            self.metrics.completed(tokens)
+            # only natural ends teach the expected-mode learner how long answers run
+            if completed and response.status_code == 200:
+                reservation.completion_tokens = tokens

@@ -1,0 +1,150 @@
+"""The proxy port: a pure ASGI app that relays everything to vLLM and gates generation.
+
+Every method and path goes to the configured upstream unchanged (status, headers minus hop-by-hop
+ones, bodies, and streams in both directions, chunk by chunk). ``POST`` to a generation path
+goes through :class:`~sidecar.http.generation.GenerationPath` first. A client that goes away
+cancels the upstream request (vLLM then aborts the generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from sidecar.counting import GENERATION_PATHS
+from sidecar.errors import UpstreamError
+from sidecar.http import refusals
+from sidecar.http.generation import GenerationPath
+from sidecar.http.headers import forward_headers
+from sidecar.http.relay import Relay, respond, watch_disconnect
+from sidecar.http.seams import MetricsSink, Traffic
+from sidecar.http.types import Receive, Scope, Send
+
+_DROP_REQUEST_HEADERS = frozenset({b"host"})
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its request body was being relayed (control flow)."""
+
+
+class Proxy:
+    """The ASGI app of the proxy port."""
+
+    def __init__(
+        self,
+        *,
+        relay: Relay,
+        generation: GenerationPath,
+        traffic: Traffic,
+        metrics: MetricsSink,
+        max_headers: int,
+        max_header_bytes: int,
+    ) -> None:
+        self.relay = relay
+        self.generation = generation
+        self.traffic = traffic
+        self.metrics = metrics
+        self.max_headers = max_headers
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # websockets are not part of vLLM's API; uvicorn runs without lifespan
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        if not raw_path.startswith(b"/"):
+            # absolute-form or authority-form targets could name another host: never follow them
+            await respond(
+                send, refusals.plain(400, "request target must be a path", code="invalid_target")
+            )
+            return
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if len(headers) > self.max_headers or (
+            sum(len(k) + len(v) for k, v in headers) + 4 * len(headers) > self.max_header_bytes
+        ):
+            # refused before anything is forwarded: vLLM never sees them, and no per-header work
+            # (cookie handling, copying) runs on the event loop
+            message = (
+                f"request headers exceed the limit of {self.max_headers} headers "
+                f"or {self.max_header_bytes} bytes"
+            )
+            await respond(
+                send, refusals.plain(431, message, code="request_header_fields_too_large")
+            )
+            return
+        endpoint = None
+        if scope["method"] == "POST":
+            # classify on the path vLLM will route, after the URL's dot segments are resolved
+            # (else "/x/../v1/completions" would pass as a non-generating request)
+            path = scope["path"]
+            if b"/." in raw_path or b"%2e" in raw_path.lower():  # parsing URLs is costly: only then
+                path = self.relay.url(raw_path, b"").path[len(self.relay.base_prefix) :]
+            endpoint = GENERATION_PATHS.get(path)
+        try:
+            if endpoint is None:
+                self.traffic.passthrough_in_flight += 1  # a drain waits for these too
+                try:
+                    await self._passthrough(scope, receive, send, raw_path)
+                finally:
+                    self.traffic.passthrough_in_flight -= 1
+            else:
+                await self.generation(scope, receive, send, raw_path, endpoint)
+        except asyncio.CancelledError:
+            if not self.traffic.draining:
+                raise
+            # the server cut what was still running at the drain deadline: expected, logged once
+            # by the drain, not as a traceback per request
+
+    async def _passthrough(
+        self, scope: Scope, receive: Receive, send: Send, raw_path: bytes
+    ) -> None:
+        disconnected = asyncio.Event()
+        watcher: asyncio.Task[None] | None = None
+
+        async def body() -> AsyncIterator[bytes]:
+            nonlocal watcher
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    disconnected.set()
+                    # abort the upstream request: ending the body here would hand vLLM a
+                    # truncated body that looks complete
+                    raise _ClientGone
+                chunk = message.get("body", b"")
+                if chunk:
+                    yield chunk
+                if not message.get("more_body", False):
+                    break
+            watcher = watch_disconnect(receive, disconnected)
+
+        headers = forward_headers(scope["headers"], drop=_DROP_REQUEST_HEADERS)
+        has_body = any(
+            k.lower() in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"]
+        )
+        try:
+            try:
+                if has_body:
+                    content: bytes | AsyncIterator[bytes] = body()
+                else:
+                    content = b""
+                    watcher = watch_disconnect(receive, disconnected)
+                url = self.relay.url(raw_path, scope["query_string"])
+                response = await self.relay.send(scope["method"], url, headers, content)
+            except UpstreamError as exc:
+                if isinstance(exc.__cause__, _ClientGone) or disconnected.is_set():
+                    return
+                self.metrics.upstream_failed(exc.kind)
+                await respond(send, refusals.from_error(exc))
+                return
+            except _ClientGone:
+                return
+            try:
+                if watcher is None:
+                    watcher = watch_disconnect(receive, disconnected)
+                await self.relay.relay(response, send, disconnected)
+            except UpstreamError as exc:
+                self.metrics.upstream_failed(exc.kind)
+            finally:
+                await response.aclose()
+        finally:
+            if watcher is not None:
+                watcher.cancel()

@@ -1,0 +1,86 @@
+"""The one place where refusals and errors become HTTP: status, retry headers, OpenAI bodies.
+
+Body shape: ``{"error": {"message", "type", "param", "code"}}`` as OpenAI and vLLM send it. The
+gate's refusals read their status and code from ``sidecar.admission.decisions.REFUSALS``; errors
+from the tree in ``sidecar.errors`` map here (:func:`from_error`).
+
+>>> status, headers, body = from_decision(
+...     Decision(Outcome.REJECT, Reason.QUEUE_FULL, retry_after=2.5, message="full"))
+>>> status, dict(headers)[b"retry-after"], json.loads(body)["error"]["code"]
+(429, b'3', 'queue_full')
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from sidecar.admission.decisions import REFUSALS, Decision, Outcome, Reason
+from sidecar.errors import BadRequest, SidecarError, UpstreamTimeout
+from sidecar.http.types import Headers
+
+Response = tuple[int, Headers, bytes]
+
+_JSON: Headers = [(b"content-type", b"application/json")]
+#: seconds a client should wait before retrying when vLLM cannot be reached
+UPSTREAM_RETRY_AFTER = 1.0
+
+
+def error_body(
+    message: str, *, type_: str, code: str | int | None, param: str | None = None
+) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    ).encode()
+
+
+def retry_headers(seconds: float) -> Headers:
+    """``Retry-After`` in whole seconds (at least 1) and ``retry-after-ms``, as OpenAI sends."""
+    seconds = max(seconds, 0.001)
+    return [
+        (b"retry-after", str(max(1, math.ceil(seconds))).encode()),
+        (b"retry-after-ms", str(max(1, round(seconds * 1000))).encode()),
+    ]
+
+
+def _response(
+    status: int, type_: str, code: str, message: str, retry_after: float | None
+) -> Response:
+    headers = list(_JSON)
+    if retry_after is not None and status in (429, 503):
+        headers += retry_headers(retry_after)
+    return status, headers, error_body(message, type_=type_, code=code)
+
+
+def from_decision(decision: Decision) -> Response:
+    """The response for a refusing decision."""
+    assert decision.outcome is Outcome.REJECT, decision
+    refusal = REFUSALS[decision.reason]
+    return _response(
+        refusal.status, refusal.type, refusal.code, decision.message, decision.retry_after
+    )
+
+
+def refusal(reason: Reason, message: str, retry_after: float | None = None) -> Response:
+    """The response for a refusal the gate did not decide (not ready, for example)."""
+    return from_decision(Decision(Outcome.REJECT, reason, retry_after=retry_after, message=message))
+
+
+def from_error(exc: SidecarError) -> Response:
+    """The response for an error of the sidecar's tree."""
+    if isinstance(exc, BadRequest):
+        type_ = "invalid_request_error" if exc.status < 500 else "server_error"
+        body = error_body(exc.message, type_=type_, code=exc.code, param=exc.param)
+        return exc.status, list(_JSON), body
+    if isinstance(exc, UpstreamTimeout):
+        return _response(504, "timeout_error", "upstream_timeout", str(exc), None)
+    # unreachable, reset, or broken before an answer: the client may retry shortly
+    return _response(
+        503, "service_unavailable_error", "upstream_unavailable", str(exc), UPSTREAM_RETRY_AFTER
+    )
+
+
+def plain(status: int, message: str, *, code: str) -> Response:
+    """A refusal of the proxy's own that is not an admission decision (bad target, ...)."""
+    body = error_body(message, type_="invalid_request_error", code=code)
+    return status, list(_JSON), body
