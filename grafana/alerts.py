@@ -34,6 +34,15 @@ VLLM_METRICS_STALE_SECONDS = 15
 PREDICTION_ERROR_SHARE = 0.1
 #: Share of generation requests refused with 429 above which capacity is short of demand.
 REJECT_SHARE = 0.1
+#: Share of prompts counted by an upper-bound estimate above which admission over-reserves
+#: noticeably. A few requests of forms nothing can count exactly (a Responses
+#: ``previous_response_id``, a completions ``suffix``) stay below it; a lost /tokenize does not.
+ESTIMATE_SHARE = 0.05
+#: Minutes KVSidecarPromptCountMismatch fires after a mismatch. A shape mismatches once per
+#: sidecar process (it is counted by /tokenize from then on, and no longer checked), so the
+#: counter moves once and the alert resolves this long after, although the shape stays on
+#: /tokenize until the sidecar restarts.
+PROMPT_COUNT_MISMATCH_MINUTES = 30
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class Alert:
 
 _WHERE = "{{ $labels.namespace }}/{{ $labels.pod }}"
 _UP = selector("up", SIDECAR_TARGET_MATCHER)
+_ESTIMATED = selector("kv_sidecar_prompt_counts_total", 'method="estimate"')
 
 ALERTS: tuple[Alert, ...] = (
     Alert(
@@ -141,6 +151,44 @@ ALERTS: tuple[Alert, ...] = (
         description=(
             f"{_WHERE}: {{{{ $value | humanizePercentage }}}} of generation requests were "
             "refused with 429 (kv_cache_full, queue_full, queue_timeout) for 10 minutes."
+        ),
+    ),
+    Alert(
+        name="KVSidecarPromptCountsEstimated",
+        expr=(
+            "sum by (namespace, pod) "
+            f"({rate(_ESTIMATED, '10m')})\n"
+            "/\n"
+            f"sum by (namespace, pod) ({rate('kv_sidecar_prompt_counts_total', '10m')})\n"
+            f"> {ESTIMATE_SHARE}"
+        ),
+        for_="10m",
+        severity="warning",
+        summary="The sidecar estimates many prompt lengths instead of counting them.",
+        description=(
+            f"{_WHERE}: {{{{ $value | humanizePercentage }}}} of prompts were counted by an "
+            "upper-bound estimate over 10 minutes, for 10 minutes. Admission over-reserves KV "
+            "for those requests, so it queues and refuses more than it needs to. Usually vLLM's "
+            "/tokenize is unreachable or the sidecar cannot read the model's tokenizer."
+        ),
+    ),
+    Alert(
+        name="KVSidecarPromptCountMismatch",
+        expr=(
+            "sum by (namespace, pod, shape) (increase("
+            + selector("kv_sidecar_prompt_count_checks_total", 'result="mismatch"')
+            + f"[{PROMPT_COUNT_MISMATCH_MINUTES}m])) > 0"
+        ),
+        # One mismatch is a fact, not noise: the ``for`` is a single evaluation interval.
+        for_="1m",
+        severity="warning",
+        summary="The sidecar's local prompt count disagrees with vLLM's /tokenize.",
+        description=(
+            f"{_WHERE}: a local count of a {{{{ $labels.shape }}}} prompt differed from vLLM's "
+            f"/tokenize in the last {PROMPT_COUNT_MISMATCH_MINUTES} minutes. The sidecar counts "
+            "{{ $labels.shape }} prompts with /tokenize until it restarts (exact, but a round "
+            "trip per request): its tokenizer or chat template does not render that shape as "
+            "vLLM does."
         ),
     ),
     Alert(
