@@ -8,8 +8,10 @@ Set-up (every part a separate process): the fast fake vLLM (``bench.upstream``) 
 formats; in front of it, the sidecar (``--log-level warning``) counting prompts with the model's
 local tokenizer (the realistic set-up: discovered from ``/v1/models`` ``root``), a second sidecar
 that counts with the upstream's ``/tokenize`` (no local tokenizer), and Debian's nginx as a plain
-reverse proxy (one worker, keep-alive upstream, buffering off). Load comes from ``wrk`` (plain
-JSON requests) and ``bench.sse_client`` (SSE streams), each its own process.
+reverse proxy (one worker, keep-alive upstream, buffering off), and a plain uvicorn relay
+(``bench.proxies``) on three HTTP clients: httpx on its default transport, httpx on the sidecar's
+own transport, and aiohttp (the client production-stack's router relays with). Load comes from
+``wrk`` (plain JSON requests) and ``bench.sse_client`` (SSE streams), each its own process.
 
 Rounds interleave the paths (the order rotates each round) and the figures are medians over the
 rounds, so that the noise of a shared machine hits every path alike; ratios are taken within each
@@ -58,6 +60,9 @@ from harness.workload import SidecarProcess, metric_value
 
 #: the reference for what the sidecar's own stack costs: uvicorn + httpx relaying, nothing else
 RELAY = "uvicorn+httpx relay"
+#: the same relay on the sidecar's transport, and on aiohttp: what the HTTP client alone costs
+OWN_RELAY = "uvicorn+httpx relay, sidecar transport"
+AIOHTTP_RELAY = "uvicorn+aiohttp relay"
 IDS = "sidecar, prompt as token ids"
 PROMPT = "Explain in one sentence why a proxy in front of vLLM should count prompt tokens."
 SMALL_BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0.0}
@@ -192,6 +197,143 @@ class Nginx:
         self.proc.terminate()
         self.proc.wait(10)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def worktree(ref: str) -> Iterator[tuple[Path, str]]:
+    """A detached git worktree of ``ref`` in a temporary directory, and the commit it resolved
+    to; removed on the way out (``git worktree remove --force``), also when the body fails."""
+    rev = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if rev.returncode != 0:
+        raise SystemExit(f"--baseline {ref}: not a commit in {ROOT}")
+    sha = rev.stdout.strip()
+    parent = Path(tempfile.mkdtemp(prefix="bench-baseline-"))
+    tree = parent / "tree"
+    try:
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), sha],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        yield tree, sha
+    finally:
+        if tree.exists():
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(tree)],
+                cwd=ROOT,
+                capture_output=True,
+            )
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+class BaselineSidecar(SidecarProcess):
+    """The sidecar of another revision: the same ``python -m sidecar serve`` command and flags
+    as :class:`SidecarProcess`, but run in ``tree`` with ``PYTHONPATH=tree``, so that the
+    ``sidecar`` package it imports is the worktree's (``-m`` puts the working directory first on
+    ``sys.path``, ahead of the editable install's finder)."""
+
+    def __init__(self, tree: Path, upstream: str, *args: str) -> None:
+        super().__init__(upstream, *args, env={"PYTHONPATH": str(tree)})
+        self.tree = tree
+
+    def start(self, *, wait_ready: bool = True, timeout: float = 60.0) -> BaselineSidecar:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "sidecar",
+            "serve",
+            "--upstream",
+            self.upstream,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            *self.args,
+        ]
+        with open(self.log_path, "wb") as fh:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                cwd=self.tree,
+                env={**os.environ, **self.env},
+            )
+        if wait_ready:
+            try:
+                self.wait_ready(timeout)
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def verify(self) -> dict[str, Any]:
+        """Evidence that the running process is the worktree's code, not this checkout's: its
+        cwd and ``PYTHONPATH`` (from /proc), where the same interpreter, cwd and environment
+        import ``sidecar.cli`` from, and the source files in the live process's stack
+        (``py-spy dump``, where py-spy can attach). Raises when any of them points elsewhere."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        tree = self.tree.resolve()
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd")).resolve()
+        environ = dict(
+            kv.split("=", 1)
+            for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+            if "=" in kv
+        )
+        probe = subprocess.run(
+            [sys.executable, "-c", "import sidecar.cli; print(sidecar.cli.__file__)"],
+            cwd=self.tree,
+            env={**os.environ, **self.env},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        out: dict[str, Any] = {
+            "pid": pid,
+            "cwd": str(cwd),
+            "pythonpath": environ.get("PYTHONPATH"),
+            "imports_sidecar_cli_from": probe,
+        }
+        problems = []
+        if cwd != tree:
+            problems.append(f"cwd is {cwd}")
+        if environ.get("PYTHONPATH") != str(self.tree):
+            problems.append(f"PYTHONPATH is {environ.get('PYTHONPATH')!r}")
+        if not Path(probe).resolve().is_relative_to(tree):
+            problems.append(f"sidecar.cli imports from {probe}")
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            dump = subprocess.run(
+                [spy, "dump", "--full-filenames", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if dump.returncode == 0:
+                ours = sorted(
+                    {
+                        line.split("(", 1)[1].split(":", 1)[0]
+                        for line in dump.stdout.splitlines()
+                        if "/sidecar/" in line and "(" in line
+                    }
+                )
+                out["stack_sidecar_files"] = ours
+                if not ours:
+                    problems.append("no sidecar frame in py-spy dump")
+                elif any(not Path(f).resolve().is_relative_to(tree) for f in ours):
+                    problems.append(f"py-spy dump shows sidecar frames outside the tree: {ours}")
+        if problems:
+            raise RuntimeError(f"baseline sidecar is not the worktree's code: {problems}")
+        return out
 
 
 def wrk(url: str, *, connections: int, seconds: float, script: Path) -> dict[str, Any]:
@@ -381,20 +523,62 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         upstream.url, "--log-level", "warning", "--model-config", str(config_only)
     )
     nginx: Nginx | None = None
-    relay: BenchProxy | None = None
+    relays: list[BenchProxy] = []
+    base: BaselineSidecar | None = None
+    trees = contextlib.ExitStack()  # the baseline's worktree: closed after its sidecar stops
     try:
         local.start()
         remote.start()
+        baseline: dict[str, Any] | None = None
+        if args.baseline:
+            tree, sha = trees.enter_context(worktree(args.baseline))
+            progress(f"overhead: baseline sidecar @{args.baseline} ({sha[:12]}) from {tree}")
+            base = BaselineSidecar(tree, upstream.url, *local.args).start()
+            baseline = {
+                "ref": args.baseline,
+                "commit": sha,
+                "name": f"sidecar @{args.baseline}",
+                "ids_name": f"sidecar @{args.baseline}, prompt as token ids",
+                "flags": list(local.args),
+                "verified": base.verify(),
+            }
         nginx = Nginx(upstream.port)
-        relay = BenchProxy("shim", upstream.url)  # no x-bench header: a plain relay
+        # no x-bench header: a plain relay
+        relay = BenchProxy("shim", upstream.url)
+        relays.append(relay)
+        own_relay = BenchProxy("shim", upstream.url, "--client", "upstream-transport")
+        relays.append(own_relay)
+        aiohttp_relay = BenchProxy("shim", upstream.url, "--client", "aiohttp")
+        relays.append(aiohttp_relay)
         assert local.proc is not None and remote.proc is not None
         direct = Target("direct", upstream.url, [upstream.proc.pid])
         via_local = Target("sidecar", local.url, [local.proc.pid])
         via_remote = Target("sidecar (/tokenize)", remote.url, [remote.proc.pid])
         via_nginx = Target("nginx", nginx.url, nginx.worker_pids())
         via_relay = Target(RELAY, relay.url, [relay.proc.pid])
+        via_own = Target(OWN_RELAY, own_relay.url, [own_relay.proc.pid])
+        via_aiohttp = Target(AIOHTTP_RELAY, aiohttp_relay.url, [aiohttp_relay.proc.pid])
         via_ids = Target(IDS, local.url, [local.proc.pid], script=ids_script)
-        targets = [direct, via_local, via_ids, via_remote, via_nginx, via_relay]
+        # the baseline revision's sidecar (--baseline), with and without counting
+        olds: list[Target] = []
+        if base is not None and baseline is not None:
+            assert base.proc is not None
+            olds = [
+                Target(baseline["name"], base.url, [base.proc.pid]),
+                Target(baseline["ids_name"], base.url, [base.proc.pid], script=ids_script),
+            ]
+        targets = [
+            direct,
+            via_local,
+            *olds[:1],
+            via_ids,
+            *olds[1:],
+            via_remote,
+            via_nginx,
+            via_relay,
+            via_own,
+            via_aiohttp,
+        ]
         upstream_stat = ProcStat(upstream.proc.pid)
         for t in targets:
             warm(t)
@@ -418,6 +602,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": rounds,
             "seconds_per_run": seconds,
         }
+        if baseline is not None:
+            results["baseline"] = baseline
 
         with RssSampler(local.proc.pid) as rss:
             # 1. latency added to a small non-streamed request: one connection, back to back
@@ -452,7 +638,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["throughput"] = thr
 
             # 3. SSE events relayed: unpaced (as fast as the upstream writes) and paced
-            sse_targets = [direct, via_local, via_nginx, via_relay]
+            sse_targets = [direct, via_local, *olds[:1], via_nginx, via_relay, via_own, via_aiohttp]
             streams: dict[str, dict[str, list[dict[str, Any]]]] = {}
             for mode, interval, conc in (
                 ("unpaced", None, args.sse_concurrency),
@@ -512,12 +698,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["load_average_after"] = [round(x, 2) for x in load_average()]
         return results
     finally:
-        for sc in (local, remote):
-            sc.stop()
+        for sc in (local, remote, base):
+            if sc is not None:
+                sc.stop()
+        trees.close()
         if nginx is not None:
             nginx.stop()
-        if relay is not None:
-            relay.stop()
+        for proxy in relays:
+            proxy.stop()
         upstream.stop()
         shutil.rmtree(config_only, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -528,7 +716,7 @@ def components(upstream_url: str, model: Path, n: int = 1000) -> dict[str, float
     time in this process against the fast upstream: what the profile's shares mean in time."""
     import uvloop
 
-    from sidecar.tokens import ModelTokenizer
+    from sidecar.counting import ModelTokenizer
 
     payload = json.dumps(SMALL_BODY).encode()
     url = upstream_url + "/v1/completions"
@@ -652,6 +840,52 @@ def figures(results: dict[str, Any]) -> dict[str, Any]:
                 ),
                 "errors": sum(r["errors"] for r in runs),
             }
+    if results.get("baseline"):
+        out["vs_baseline"] = vs_baseline(results)
+    return out
+
+
+def vs_baseline(results: dict[str, Any]) -> dict[str, Any]:
+    """The sidecar's CPU per request (per 1,000 SSE events) against the baseline revision's, test
+    by test: both medians over rounds, ``ratio`` the median of the ratios taken within each round
+    (the two ran back to back in it), and ``ratio_of_medians`` for reference."""
+    base = results["baseline"]
+    c = results.get("concurrency", "")
+    # (label, runs now, runs at the baseline, what one unit of work is, per how many of them)
+    tests: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]], str, float]] = []
+    for test, label in (("latency", "latency, c=1"), ("throughput", f"requests/s, c={c}")):
+        runs = results[test]
+        tests.append((label, runs["sidecar"], runs[base["name"]], "requests", 1.0))
+        if base["ids_name"] in runs:
+            tests.append(
+                (
+                    f"{label}, prompt as token ids",
+                    runs[IDS],
+                    runs[base["ids_name"]],
+                    "requests",
+                    1.0,
+                )
+            )
+    for mode, per in results["sse"].items():
+        if base["name"] in per:
+            tests.append((f"SSE {mode}", per["sidecar"], per[base["name"]], "events", 1000.0))
+    out: dict[str, Any] = {}
+    for label, new, old, count, per_n in tests:
+        pairs = [(n, o) for n, o in zip(new, old, strict=True) if n[count] and o[count]]
+        if not pairs:
+            continue
+        # CPU µs per request, or CPU s per 1,000 events
+        scale = 1e6 if count == "requests" else per_n
+        now = [n["cpu_s"] / n[count] * scale for n, _ in pairs]
+        then = [o["cpu_s"] / o[count] * scale for _, o in pairs]
+        out[label] = {
+            "unit": "CPU µs per request" if count == "requests" else "CPU s per 1,000 events",
+            "sidecar": median(now),
+            "baseline": median(then),
+            "ratio": median(a / b for a, b in zip(now, then, strict=True) if b),
+            "ratio_of_medians": median(now) / median(then) if median(then) else None,
+            "rounds": len(pairs),
+        }
     return out
 
 
@@ -828,6 +1062,29 @@ def report(results: dict[str, Any], fig: dict[str, Any], command: str) -> str:
             ],
         ),
     ]
+    vs = fig.get("vs_baseline")
+    if vs:
+        base = results["baseline"]
+        lines += [
+            "",
+            f"**CPU per request against `{base['ref']}`** (commit {base['commit'][:12]}, its "
+            "sidecar run from a git worktree with the same flags, in the same interleaved rounds; "
+            "ratio: the median of the within-round ratios, below 1 is cheaper now)",
+            "",
+            table(
+                ["test", "unit", "sidecar", base["name"], "sidecar / baseline"],
+                [
+                    [
+                        label,
+                        v["unit"],
+                        fmt(v["sidecar"], 1 if v["unit"].endswith("request") else 3),
+                        fmt(v["baseline"], 1 if v["unit"].endswith("request") else 3),
+                        fmt(v["ratio"], 3),
+                    ]
+                    for label, v in vs.items()
+                ],
+            ),
+        ]
     comp = results.get("components")
     if comp:
         lines += [
@@ -903,6 +1160,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sse-interval-ms", type=float, default=10.0)
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-report", action="store_true", help="do not touch BENCHMARKS.md")
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also measure the sidecar of git revision REF (a worktree of it, removed at the end) "
+        "in the same rounds: rows 'sidecar @REF' and its token-ids row, and the CPU-per-request "
+        "ratio of the sidecar to it",
+    )
     args = parser.parse_args(argv)
     for tool in ("wrk", "nginx"):
         if shutil.which(tool) is None:
@@ -914,6 +1178,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["figures"] = fig
     write_json("overhead-quick" if args.quick else "overhead", results)
     command = "python -m bench.overhead" + (" --quick" if args.quick else "")
+    if args.baseline:
+        command += f" --baseline {args.baseline}"
     text = report(results, fig, command)
     print(text)
     if not args.no_report and not args.quick:

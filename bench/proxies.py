@@ -1,4 +1,5 @@
-"""Two bench-only proxies for the admission benchmark, each a small pure ASGI app on uvicorn.
+"""Bench-only proxies, each a small pure ASGI app on uvicorn: two for the admission benchmark, and
+the plain relay of the overhead benchmark on three HTTP clients.
 
 ``shim`` (between whatever the client talks to and vLLM) makes answers end early: a generation
 request that carries ``x-bench-output-tokens: L`` reaches vLLM with ``max_tokens`` = L, while
@@ -12,8 +13,15 @@ saturation detector: it polls vLLM's /metrics every ``--interval`` seconds and r
 requests with 429 while ``kv_cache_usage_perc`` > ``--kv-threshold`` (0.8) or
 ``num_requests_waiting`` > ``--queue-threshold`` (5); everything else is forwarded.
 
+Without the header the shim is a plain relay: the overhead benchmark's reference for what a proxy's
+own stack costs. ``--client`` picks what it forwards with: ``httpx`` (one ``httpx.AsyncClient`` on
+its default transport), ``upstream-transport`` (the sidecar's own transport,
+``sidecar.http.transport``, called as the sidecar calls it) or ``aiohttp`` (one
+``aiohttp.ClientSession``, as production-stack's router relays; ``pip install -e .[bench]``).
+
     python -m bench.proxies shim --upstream http://127.0.0.1:8000 --port 8001
     python -m bench.proxies shedder --upstream http://127.0.0.1:8001 --port 8002
+    python -m bench.proxies shim --client aiohttp --upstream http://127.0.0.1:8000 --port 8003
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import uvicorn
@@ -47,30 +55,64 @@ HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"host", b"
 OUTPUT_HEADER = b"x-bench-output-tokens"
 _USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 _WAITING = re.compile(r"^vllm:num_requests_waiting\{[^}]*\} ([0-9.eE+-]+)$", re.M)
+_TIMEOUTS = {"timeout": httpx.Timeout(600.0, connect=5.0).as_dict()}
+
+
+async def read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class Forwarder(Protocol):
+    async def forward(
+        self, scope: Scope, send: Send, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> None: ...
 
 
 class Relay:
-    """Forward a request to the upstream and stream the answer back, unbuffered."""
+    """Forward a request to the upstream and stream the answer back, unbuffered.
 
-    def __init__(self, upstream: str) -> None:
+    ``own_transport``: the sidecar's ``UpstreamTransport`` instead of httpcore, called the way
+    the sidecar calls it (``handle_async_request``, without the client's auth, redirect and
+    cookie layers, which a relay does not need).
+    """
+
+    def __init__(self, upstream: str, *, own_transport: bool = False) -> None:
         self.upstream = upstream.rstrip("/")
+        transport = None
+        if own_transport:
+            from sidecar.http.transport import UpstreamTransport
+
+            transport = UpstreamTransport(
+                max_connections=1024, max_keepalive=256, keepalive_expiry=2.0
+            )
+        self.transport = transport
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=5.0),
             limits=httpx.Limits(
                 max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0
             ),
             trust_env=False,
+            transport=transport,
         )
 
-    async def read_body(self, receive: Receive) -> bytes:
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ConnectionResetError
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+    async def _send(
+        self, method: str, url: str, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> httpx.Response:
+        try:
+            request = self.client.build_request(method, url, headers=headers, content=body)
+            return await self.client.send(request, stream=True)
+        except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError):
+            # a pooled keep-alive connection the upstream had just closed: retry once, on a new
+            # connection, as a gateway would
+            request = self.client.build_request(method, url, headers=headers, content=body)
+            return await self.client.send(request, stream=True)
 
     async def forward(
         self, scope: Scope, send: Send, body: bytes, headers: list[tuple[bytes, bytes]]
@@ -78,18 +120,13 @@ class Relay:
         query = scope.get("query_string", b"")
         url = self.upstream + scope["path"] + ("?" + query.decode() if query else "")
         try:
-            try:
-                request = self.client.build_request(
-                    scope["method"], url, headers=headers, content=body
+            if self.transport is not None:  # it retries a request that never left by itself
+                request = httpx.Request(
+                    scope["method"], url, headers=headers, content=body, extensions=_TIMEOUTS
                 )
-                response = await self.client.send(request, stream=True)
-            except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError):
-                # a pooled keep-alive connection the upstream had just closed: retry once, on a
-                # new connection, as a gateway would
-                request = self.client.build_request(
-                    scope["method"], url, headers=headers, content=body
-                )
-                response = await self.client.send(request, stream=True)
+                response = await self.transport.handle_async_request(request)
+            else:
+                response = await self._send(scope["method"], url, headers, body)
         except httpx.HTTPError as exc:
             await respond(
                 send,
@@ -118,6 +155,70 @@ class Relay:
             await response.aclose()
 
 
+class AiohttpRelay:
+    """:class:`Relay` on one ``aiohttp.ClientSession`` (same limits, timeouts and retry), the way
+    a relay built on aiohttp uses it."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self._session: Any = None  # made on the first request: it needs the running loop
+
+    def session(self) -> Any:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=2.0),
+                timeout=aiohttp.ClientTimeout(total=600.0, connect=5.0),
+                auto_decompress=False,
+            )
+        return self._session
+
+    async def forward(
+        self, scope: Scope, send: Send, body: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        import aiohttp
+
+        query = scope.get("query_string", b"")
+        url = self.upstream + scope["path"] + ("?" + query.decode() if query else "")
+        out_headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        session = self.session()
+        try:
+            try:
+                response = await session.request(
+                    scope["method"], url, headers=out_headers, data=body
+                )
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionError):
+                # as Relay: a pooled connection the upstream had just closed, retried once
+                response = await session.request(
+                    scope["method"], url, headers=out_headers, data=body
+                )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            await respond(
+                send,
+                502,
+                {
+                    "error": {
+                        "message": f"upstream: {type(exc).__name__}: {exc}",
+                        "type": "proxy",
+                        "param": None,
+                        "code": "bad_gateway",
+                    }
+                },
+            )
+            return
+        try:
+            out = [(k, v) for k, v in response.raw_headers if k.lower() not in HOP]
+            await send({"type": "http.response.start", "status": response.status, "headers": out})
+            async for chunk in response.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (aiohttp.ClientError, TimeoutError):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            response.release()
+
+
 async def respond(
     send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
@@ -139,14 +240,18 @@ async def respond(
 class Shim:
     """Rewrites ``max_tokens`` to ``x-bench-output-tokens`` on generation requests."""
 
-    def __init__(self, upstream: str) -> None:
-        self.relay = Relay(upstream)
+    def __init__(self, upstream: str, client: str = "httpx") -> None:
+        self.relay: Forwarder = (
+            AiohttpRelay(upstream)
+            if client == "aiohttp"
+            else Relay(upstream, own_transport=client == "upstream-transport")
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         try:
-            body = await self.relay.read_body(receive)
+            body = await read_body(receive)
         except ConnectionResetError:
             return
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
@@ -216,7 +321,7 @@ class Shedder:
             )
             return
         try:
-            body = await self.relay.read_body(receive)
+            body = await read_body(receive)
         except ConnectionResetError:
             return
         if scope["method"] == "POST" and scope["path"] in GENERATION:
@@ -281,13 +386,16 @@ def main() -> None:
     parser.add_argument("kind", choices=["shim", "shedder"])
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--client", choices=["httpx", "upstream-transport", "aiohttp"], default="httpx"
+    )
     parser.add_argument("--kv-threshold", type=float, default=0.8)
     parser.add_argument("--queue-threshold", type=float, default=5)
     parser.add_argument("--interval", type=float, default=0.5)
     args = parser.parse_args()
     app: Any
     if args.kind == "shim":
-        app = Shim(args.upstream)
+        app = Shim(args.upstream, args.client)
     else:
         app = Shedder(
             args.upstream,
