@@ -265,10 +265,12 @@ async def test_snapshots_arrive_at_the_interval(
     async with running(scraper):
         await until(lambda: len(seen) >= 11)
     span = seen[10].taken_at - seen[0].taken_at
-    # Never faster than the schedule. Later only by what a loaded machine adds, and that can be
-    # a lot (10 intervals took 1.9 s on a starved 2-core machine), so the upper bound is loose:
-    # the schedule rule itself is checked exactly in test_the_schedule_does_not_drift.
-    assert 10 * INTERVAL - 0.02 <= span <= 10 * INTERVAL * 5, span
+    # About ten intervals. The first snapshot can itself be late (a loaded machine delays its
+    # scrape, and the next ones keep to the schedule: 0.4799 s was seen), so the lower bound
+    # allows one interval; later only by what a loaded machine adds, and that can be a lot (10
+    # intervals took 1.9 s on a starved 2-core machine), so the upper bound is loose: the
+    # schedule rule itself is checked exactly in test_the_schedule_does_not_drift.
+    assert 9 * INTERVAL <= span <= 10 * INTERVAL * 5, span
     assert all(s.num_gpu_blocks == 64 for s in seen)
     # stop() may have cancelled one attempt in flight: neither a snapshot nor an error
     assert len(seen) <= scraper.scrapes_total <= len(seen) + 1
