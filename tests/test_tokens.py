@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from harness.vllm_cpu import ensure_tokenizer_model, free_port
+from harness.workload import metric_value
 from sidecar.counting import (
     SELF_CHECKED_SHAPES,
     CountMethod,
@@ -46,6 +47,7 @@ from sidecar.counting.render import (
 )
 from sidecar.errors import PromptError
 from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.prefix import block_hashes
 from sidecar.kv.projection import project_counts
 from tests.conftest import VllmInfo
 
@@ -827,15 +829,15 @@ async def test_an_unloadable_tokenizer_falls_back_upstream(
 def recording_tokenizer(
     tiny_tokenizer: ModelTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[list[int]]:
-    """Thread ids of every ``count_text`` call."""
+    """Thread ids of every ``encode_text`` call."""
     threads: list[int] = []
-    original = tiny_tokenizer.count_text
+    original = tiny_tokenizer.encode_text
 
-    def count_text(text: str, *, add_special_tokens: bool) -> int:
+    def encode_text(text: str, *, add_special_tokens: bool) -> list[int]:
         threads.append(threading.get_ident())
         return original(text, add_special_tokens=add_special_tokens)
 
-    monkeypatch.setattr(tiny_tokenizer, "count_text", count_text)
+    monkeypatch.setattr(tiny_tokenizer, "encode_text", encode_text)
     yield threads
 
 
@@ -1197,3 +1199,485 @@ def test_the_self_check_rate_is_bounded() -> None:
             tokenizer_path=None,
             self_check_every=1,
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Prefix: the chain hashes of the full blocks vLLM will cache, from the counted ids
+# --------------------------------------------------------------------------------------------
+
+#: ~300 tokens of system prompt (2+ blocks of 128), then two different user turns.
+SHARED_SYSTEM = " ".join(f"Rule {i}: keep the cache block warm for the queue." for i in range(13))
+USER_A = "Please answer one question about the memory budget. " * 12
+USER_B = "Thanks, now tell me how the decode batch uses the gpu kernel. " * 12
+
+
+@pytest.fixture(scope="session")
+def hf_left() -> Any:
+    """The generated model's tokenizer as vLLM loads it for generation: truncating on the left."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ensure_tokenizer_model()), truncation_side="left")
+
+
+def vllm_text_ids(hf: Any, text: str, *, add_special_tokens: bool, keep: int | None) -> list[int]:
+    """vLLM's tokenizer call (``TokenizeParams.get_encode_kwargs``): truncation by the tokenizer."""
+    if keep is None:
+        return list(hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+    encoded = hf(text, add_special_tokens=add_special_tokens, truncation=True, max_length=keep)
+    return list(encoded["input_ids"])
+
+
+def vllm_chat_ids(hf: Any, messages: list[dict[str, Any]], *, keep: int | None = None) -> list[int]:
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return vllm_text_ids(hf, text, add_special_tokens=False, keep=keep)
+
+
+def hashes_of(ids_per_prompt: list[list[int]], block_size: int, model: str | None = None) -> Any:
+    salt = (model, None)
+    return tuple(block_hashes(ids, block_size=block_size, salt=salt) for ids in ids_per_prompt)
+
+
+PREFIX_CASES: list[tuple[str, str, dict[str, Any], Any]] = [
+    (
+        "cmpl-text",
+        "completions",
+        {"prompt": LONG_TEXT},
+        lambda hf: [vllm_text_ids(hf, LONG_TEXT, add_special_tokens=True, keep=None)],
+    ),
+    (
+        "cmpl-texts",
+        "completions",
+        {"prompt": [LONG_TEXT, "the cache block " * 20]},
+        lambda hf: [
+            vllm_text_ids(hf, p, add_special_tokens=True, keep=None)
+            for p in (LONG_TEXT, "the cache block " * 20)
+        ],
+    ),
+    (
+        "cmpl-ids",
+        "completions",
+        {"prompt": [list(range(40)), list(range(5, 50))]},
+        lambda hf: [list(range(40)), list(range(5, 50))],
+    ),
+    (
+        "cmpl-truncated",
+        "completions",
+        {"prompt": LONG_TEXT, "truncate_prompt_tokens": 50},
+        lambda hf: [vllm_text_ids(hf, LONG_TEXT, add_special_tokens=True, keep=50)],
+    ),
+    (
+        "cmpl-truncated-to-context",
+        "completions",
+        {"prompt": OVERLONG_TEXT, "truncate_prompt_tokens": -1},  # default max_tokens 16
+        lambda hf: [vllm_text_ids(hf, OVERLONG_TEXT, add_special_tokens=True, keep=1023)],
+    ),
+    (
+        "cmpl-ids-truncated",
+        "completions",
+        {"prompt": list(range(100)), "truncate_prompt_tokens": 40},
+        lambda hf: [list(range(60, 100))],  # the last 40: vLLM truncates on the left
+    ),
+    (
+        "chat",
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": SHARED_SYSTEM},
+                {"role": "user", "content": USER_A},
+            ]
+        },
+        lambda hf: [
+            vllm_chat_ids(
+                hf,
+                [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": USER_A}],
+            )
+        ],
+    ),
+    (
+        "chat-truncated",
+        "chat",
+        {"messages": [{"role": "user", "content": USER_B}], "truncate_prompt_tokens": 70},
+        lambda hf: [vllm_chat_ids(hf, [{"role": "user", "content": USER_B}], keep=70)],
+    ),
+    (
+        "chat-forwarded-ids",
+        "chat",
+        {
+            "messages": HI,
+            "kv_transfer_params": {"prompt_token_ids": list(range(3, 60))},
+            "truncate_prompt_tokens": 10,  # vLLM feeds forwarded ids to the engine as they are
+        },
+        lambda hf: [list(range(3, 60))],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "expected"),
+    [c[1:] for c in PREFIX_CASES],
+    ids=[c[0] for c in PREFIX_CASES],
+)
+async def test_local_prefix_is_the_block_hashes_of_the_ids_vllm_caches(
+    tiny_tokenizer: ModelTokenizer, hf_left: Any, endpoint: str, body: dict[str, Any], expected: Any
+) -> None:
+    counter = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model=None,
+        tokenizer_path=None,
+        tokenizer=tiny_tokenizer,
+        max_model_len=1024,
+        block_size=16,
+    )
+    ids = expected(hf_left)
+    count = await counter.count(endpoint, body)  # type: ignore[arg-type]
+    assert count.method is CountMethod.LOCAL
+    assert count.prompts == tuple(len(i) for i in ids)
+    assert count.prefix is not None and count.prefix == hashes_of(ids, 16)
+    assert all(len(h) == n // 16 for h, n in zip(count.prefix, count.prompts, strict=True))
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+async def test_truncation_keeps_the_tokens_the_tokenizer_adds(add_special_tokens: bool) -> None:
+    """A tokenizer that adds BOS and EOS: vLLM's left truncation keeps both, cuts the text."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    path = ensure_tokenizer_model()
+    hf = AutoTokenizer.from_pretrained(str(path), truncation_side="left")
+    bos, eos = hf.bos_token_id, hf.eos_token_id
+    hf.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A <|eos|>", special_tokens=[("<|bos|>", bos), ("<|eos|>", eos)]
+    )
+    counter = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model=None,
+        tokenizer_path=None,
+        tokenizer=ModelTokenizer(hf, path=path),
+        block_size=4,
+    )
+    body = {
+        "prompt": LONG_TEXT,
+        "truncate_prompt_tokens": 22,
+        "add_special_tokens": add_special_tokens,
+    }
+    kept = vllm_text_ids(hf, LONG_TEXT, add_special_tokens=add_special_tokens, keep=22)
+    if add_special_tokens:
+        assert (kept[0], kept[-1]) == (bos, eos)
+    count = await counter.count("completions", body)
+    assert count.prompts == (22,)
+    assert count.prefix == hashes_of([kept], 4)
+
+
+async def test_no_prefix_without_the_exact_ids(
+    tiny_tokenizer: ModelTokenizer, tmp_path: Path
+) -> None:
+    text = {"prompt": LONG_TEXT}
+    off = PromptCounter(
+        client=None, upstream=None, served_model=None, tokenizer_path=None, tokenizer=tiny_tokenizer
+    )
+    assert (await off.count("completions", text)).prefix is None  # no block_size: no hashing
+    blind = PromptCounter(
+        client=None, upstream=None, served_model=None, tokenizer_path=None, block_size=16
+    )
+    estimate = await blind.count("completions", text)
+    assert (estimate.method, estimate.prefix) == (CountMethod.ESTIMATE, None)
+    chat_estimate = await blind.count("chat", {"messages": [{"role": "user", "content": USER_A}]})
+    assert (chat_estimate.method, chat_estimate.prefix) == (CountMethod.ESTIMATE, None)
+
+    local = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model=None,
+        tokenizer_path=None,
+        tokenizer=tiny_tokenizer,
+        block_size=16,
+    )
+    assert (await local.count("completions", text)).prefix is not None
+    fim = await local.count("completions", {"prompt": LONG_TEXT, "suffix": "x"})
+    assert (fim.method, fim.prefix) == (CountMethod.ESTIMATE, None)
+    # prompt logprobs make vLLM skip the prefix cache: nothing is shared
+    logprobs = await local.count("completions", {**text, "prompt_logprobs": 1})
+    assert (logprobs.method, logprobs.prefix) == (CountMethod.LOCAL, None)
+    echo = await local.count("completions", {**text, "echo": True, "logprobs": 2})
+    assert echo.prefix is None
+    assert (await local.count("completions", {**text, "echo": True})).prefix is not None
+    chat_echo = await local.count("chat", {"messages": HI, "echo": True})
+    assert chat_echo.prefix is None
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / name).write_bytes((tiny_tokenizer.path / name).read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    harmony = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model=None,
+        tokenizer_path=None,
+        tokenizer=ModelTokenizer.load(tmp_path),
+        block_size=16,
+    )
+    rendered_otherwise = await harmony.count(
+        "chat", {"messages": [{"role": "user", "content": USER_A}]}
+    )
+    assert (rendered_otherwise.method, rendered_otherwise.prefix) == (CountMethod.ESTIMATE, None)
+
+
+def test_a_tokenizer_json_truncation_or_padding_is_not_applied() -> None:
+    """vLLM's tokenizer call turns both off unless asked; the Rust tokenizer used here must too."""
+    from transformers import AutoTokenizer
+
+    path = ensure_tokenizer_model()
+    hf = AutoTokenizer.from_pretrained(str(path))
+    whole = len(hf(LONG_TEXT)["input_ids"])
+    hf.backend_tokenizer.enable_truncation(8)
+    hf.backend_tokenizer.enable_padding(length=4096, pad_id=hf.pad_token_id)
+    tokenizer = ModelTokenizer(hf, path=path)
+    assert tokenizer.count_text(LONG_TEXT, add_special_tokens=True) == whole
+
+
+async def test_prefix_is_keyed_by_model_and_cache_salt(tiny_tokenizer: ModelTokenizer) -> None:
+    counter = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model="tiny",
+        tokenizer_path=None,
+        tokenizer=tiny_tokenizer,
+        block_size=16,
+    )
+
+    async def first_block(**extra: Any) -> int:
+        count = await counter.count("completions", {"prompt": LONG_TEXT, **extra})
+        assert count.prefix is not None
+        return count.prefix[0][0]
+
+    base = await first_block()
+    assert await first_block(model="tiny") == base  # the served model, named or not
+    assert await first_block(model="tiny-lora") != base  # an adapter's blocks are its own
+    assert await first_block(cache_salt="tenant-a") != base
+    assert await first_block(cache_salt="tenant-a") == await first_block(cache_salt="tenant-a")
+    assert await first_block(cache_salt="tenant-a") != await first_block(cache_salt="tenant-b")
+
+
+class TokenizeIds:
+    """A /tokenize answering as vLLM's does (``tokens`` included), with ``tokenizer``."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[dict[str, Any]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        payload = json.loads(request.content)
+        self.calls.append(payload)
+        text = payload.get("prompt")
+        if text is None:
+            kwargs = {
+                "add_generation_prompt": payload["add_generation_prompt"],
+                "continue_final_message": payload["continue_final_message"],
+                "tools": payload.get("tools"),
+            }
+            rendered = self.tokenizer.render_chat(payload["messages"], kwargs)
+            assert isinstance(rendered, str)
+            text = rendered
+        ids = self.tokenizer.encode_text(text, add_special_tokens=payload["add_special_tokens"])
+        return httpx.Response(200, json={"count": len(ids), "max_model_len": 1024, "tokens": ids})
+
+
+async def test_upstream_prefix_hashes_the_ids_tokenize_answers(
+    tiny_tokenizer: ModelTokenizer,
+) -> None:
+    local = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model="tiny",
+        tokenizer_path=None,
+        tokenizer=tiny_tokenizer,
+        max_model_len=1024,
+        block_size=16,
+    )
+    chat = {
+        "messages": [
+            {"role": "system", "content": SHARED_SYSTEM},
+            {"role": "user", "content": USER_B},
+        ]
+    }
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("completions", {"prompt": [LONG_TEXT, "the cache block " * 20]}),
+        ("chat", chat),
+        ("chat", {**chat, "truncate_prompt_tokens": 100}),
+        (
+            "completions",
+            {"prompt": LONG_TEXT, "truncate_prompt_tokens": 64, "add_special_tokens": False},
+        ),
+    ]
+    async with httpx.AsyncClient(
+        transport=httpx.MockTransport(TokenizeIds(tiny_tokenizer))
+    ) as http:
+        upstream = PromptCounter(
+            client=http,
+            upstream="http://vllm:8000",
+            served_model="tiny",
+            tokenizer_path=None,
+            block_size=16,
+        )
+        for endpoint, body in bodies:
+            by_vllm = await upstream.count(endpoint, body)  # type: ignore[arg-type]
+            by_local = await local.count(endpoint, body)  # type: ignore[arg-type]
+            assert by_vllm.method is CountMethod.UPSTREAM
+            assert by_vllm.prompts == by_local.prompts
+            assert by_vllm.prefix is not None and by_vllm.prefix == by_local.prefix, body
+        # Truncated with special tokens: /tokenize does not say which ids the tokenizer added
+        # (truncation keeps those), so the kept ids are not known: no prefix, the count stands.
+        truncated = await upstream.count(
+            "completions", {"prompt": LONG_TEXT, "truncate_prompt_tokens": 64}
+        )
+        assert (truncated.method, truncated.prompts, truncated.prefix) == (
+            CountMethod.UPSTREAM,
+            (64,),
+            None,
+        )
+        whole = await upstream.count("completions", {"prompt": LONG_TEXT})
+        assert whole.prefix is not None  # untruncated: every id is kept
+    # A /tokenize whose ids are not those of its count gives no prefix, never a wrong one.
+    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeTokenize())) as http:
+        odd = PromptCounter(
+            client=http,
+            upstream="http://vllm:8000",
+            served_model=None,
+            tokenizer_path=None,
+            block_size=16,
+        )
+        answer = await odd.count("completions", {"prompt": "abc"})
+        assert (answer.method, answer.prefix) == (CountMethod.UPSTREAM, None)
+
+
+async def test_non_text_content_has_no_prefix(tiny_tokenizer: ModelTokenizer) -> None:
+    """The placeholder ids /tokenize gives for an image are not what keys its blocks in vLLM
+    (the image itself does): no prefix, although /tokenize answers consistent ids."""
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                ],
+            }
+        ]
+    }
+    ids = list(range(300))
+
+    async def tokenize(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"count": len(ids), "max_model_len": 1024, "tokens": ids})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(tokenize)) as http:
+        counter = PromptCounter(
+            client=http,
+            upstream="http://vllm:8000",
+            served_model="tiny",
+            tokenizer_path=None,
+            tokenizer=tiny_tokenizer,
+            block_size=16,
+        )
+        count = await counter.count("chat", body)
+        text = await counter.count("chat", {"messages": [{"role": "user", "content": "x"}]})
+    assert (count.method, count.prompts, count.prefix) == (CountMethod.UPSTREAM, (300,), None)
+    assert text.prefix is not None
+
+
+async def test_long_prompts_are_hashed_off_the_event_loop(tiny_tokenizer: ModelTokenizer) -> None:
+    counter = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model=None,
+        tokenizer_path=None,
+        tokenizer=tiny_tokenizer,
+        block_size=16,
+    )
+    try:
+        huge = "the cache block " * 40_000  # ~120k tokens: above the inline hashing limit
+        count = await counter.count("completions", {"prompt": huge})
+        ids = tiny_tokenizer.encode_text(huge, add_special_tokens=True)
+        assert count.prompts == (len(ids),)
+        assert count.prefix == hashes_of([ids], 16)
+    finally:
+        counter.close()
+
+
+@pytest.mark.vllm
+async def test_a_shared_system_prompt_shares_its_full_blocks_in_vllm(
+    vllm: VllmInfo, served_tokenizer: ModelTokenizer, client: httpx.AsyncClient
+) -> None:
+    """Two chats with one long system prompt: their first k hashes agree, where k is the number
+    of full blocks in the common prefix of the ids vLLM's /tokenize gives; the next differ. And
+    vLLM itself reuses exactly those k blocks (its prefix-cache hits)."""
+    block = vllm.block_size
+    bodies = [
+        {
+            "model": vllm.served_name,
+            "messages": [
+                {"role": "system", "content": SHARED_SYSTEM},
+                {"role": "user", "content": user},
+            ],
+            "max_tokens": 1,
+        }
+        for user in (USER_A, USER_B)
+    ]
+    vllm_ids = []
+    for body in bodies:
+        answer = await client.post(
+            vllm.url + "/tokenize", json={"model": vllm.served_name, "messages": body["messages"]}
+        )
+        assert answer.status_code == 200, answer.text
+        vllm_ids.append(answer.json()["tokens"])
+    a_ids, b_ids = vllm_ids
+    common = next(
+        (i for i, (x, y) in enumerate(zip(a_ids, b_ids, strict=False)) if x != y),
+        min(len(a_ids), len(b_ids)),
+    )
+    k = common // block
+    assert k >= 1 and min(len(a_ids), len(b_ids)) >= (k + 1) * block, (common, block)
+
+    local = PromptCounter(
+        client=None,
+        upstream=None,
+        served_model=None,
+        tokenizer_path=None,
+        tokenizer=served_tokenizer,
+        max_model_len=vllm.max_model_len,
+        block_size=block,
+    )
+    upstream = PromptCounter(
+        client=client,
+        upstream=vllm.url,
+        served_model=vllm.served_name,
+        tokenizer_path=None,
+        block_size=block,
+    )
+    expected = [hashes_of([ids], block, vllm.served_name) for ids in vllm_ids]
+    for counter, method in ((local, CountMethod.LOCAL), (upstream, CountMethod.UPSTREAM)):
+        a, b = [await counter.count("chat", body) for body in bodies]
+        assert (a.method, b.method) == (method, method)
+        assert [a.prefix, b.prefix] == expected
+        assert a.prefix is not None and b.prefix is not None
+        assert a.prefix[0][:k] == b.prefix[0][:k]
+        assert a.prefix[0][k] != b.prefix[0][k]
+
+    cache = vllm.metrics_text()
+    if 'enable_prefix_caching="True"' not in cache:
+        return  # vLLM started without prefix caching: nothing to compare with
+    # vLLM's own prefix cache: B, sent after A, finds exactly A's k shared blocks.
+    for body in bodies[:1]:
+        sent = await client.post(vllm.url + "/v1/chat/completions", json=body)
+        assert sent.status_code == 200, sent.text
+    before = metric_value(vllm.metrics_text(), "vllm:prefix_cache_hits_total") or 0.0
+    sent = await client.post(vllm.url + "/v1/chat/completions", json=bodies[1])
+    assert sent.status_code == 200, sent.text
+    hits = 0.0
+    for _ in range(50):  # vLLM publishes its counters a little after the step
+        hits = (metric_value(vllm.metrics_text(), "vllm:prefix_cache_hits_total") or 0.0) - before
+        if hits >= k * block:
+            break
+        await asyncio.sleep(0.1)
+    print(f"shared prefix: {k} blocks of {block} tokens; vLLM's prefix-cache hits: {hits:g} tokens")
+    assert hits == k * block

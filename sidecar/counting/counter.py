@@ -24,6 +24,15 @@ truncates it (:class:`~sidecar.counting.plan.Truncation`, applied here to every 
    completions with ``suffix``, and gpt-oss chats (vLLM renders Harmony; the template's count is
    reported, flagged). A warning is logged at most once a minute per cause.
 
+With ``block_size`` set, each exact count also carries, per prompt, the chain hashes of the
+prompt's full KV blocks (:func:`sidecar.kv.prefix.block_hashes` of the very token ids vLLM will
+cache: rendered, tokenized and truncated as vLLM does, salted with the body's model name and
+``cache_salt``), so that the ledger can charge the blocks that requests in flight share once.
+They come from the ids the count was made from, never from a second tokenization: the local
+tokenizer's ids, token-id prompts as given, or ``/tokenize``'s ``tokens``. Where the ids are not
+known for certain (estimates, non-text content, gpt-oss chats, ``prompt_logprobs``, which makes
+vLLM skip the prefix cache), :attr:`TokenCount.prefix` is None.
+
 What the counter cannot see: vLLM's server flags that change rendering (``--chat-template``,
 ``--chat-template-content-format``, ``--default-chat-template-kwargs``, ``--tokenizer-mode``,
 ``--exclude-tools-when-tool-choice-none``) and a processor chat template that differs from the
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -59,7 +69,15 @@ from typing import Any, TypeVar
 import httpx
 
 from sidecar.counting.estimate import estimate_anything
-from sidecar.counting.plan import ChatPlan, CompletionPlan, EstimatePlan, Plan, plan_count
+from sidecar.counting.plan import (
+    ChatPlan,
+    CompletionPlan,
+    EstimatePlan,
+    Plan,
+    PromptTokens,
+    Truncation,
+    plan_count,
+)
 from sidecar.counting.render import NeedsUpstream
 from sidecar.counting.request import CountedEndpoint
 from sidecar.counting.self_check import (
@@ -70,6 +88,7 @@ from sidecar.counting.self_check import (
 )
 from sidecar.counting.tokenizer import OFFLOAD_WORKERS, ModelTokenizer, count_locally
 from sidecar.errors import PromptError, SidecarError
+from sidecar.kv.prefix import BlockHashes, block_hashes
 
 __all__ = ["CountMethod", "PromptCounter", "TokenCount"]
 
@@ -82,6 +101,8 @@ _UPSTREAM_TIMEOUT_S = 10.0
 _RETRY_AFTER_ERROR_S = 1.0
 _RETRY_AFTER_MISSING_S = 30.0
 _WARN_EVERY_S = 60.0
+#: Prompts with more tokens than this are hashed on a worker thread (~1 ms at 16-token blocks).
+_HASH_INLINE_TOKENS = 32_768
 
 
 class CountMethod(enum.StrEnum):
@@ -97,7 +118,10 @@ class TokenCount:
     """The prompt tokens of one request body, truncated as vLLM truncates them.
 
     ``prompts`` has one entry per engine request vLLM makes of the body: several for a
-    completions ``prompt`` that is a list of prompts, one otherwise.
+    completions ``prompt`` that is a list of prompts, one otherwise. ``prefix``, aligned with
+    ``prompts``, holds the chain hashes of each prompt's full KV blocks
+    (:mod:`sidecar.kv.prefix`), or is None: the counter has no ``block_size``, or the ids vLLM
+    will cache are not known for certain (estimates, non-text content, ...).
 
     >>> TokenCount((3, 4), CountMethod.UPSTREAM, 0.001).total
     7
@@ -106,6 +130,7 @@ class TokenCount:
     prompts: tuple[int, ...]
     method: CountMethod
     seconds: float
+    prefix: tuple[BlockHashes, ...] | None = None
 
     @property
     def total(self) -> int:
@@ -114,6 +139,11 @@ class TokenCount:
     @property
     def exact(self) -> bool:
         return self.method is not CountMethod.ESTIMATE
+
+
+#: The untruncated counts of a plan, how they were made, and the tokens behind them (None:
+#: not known, or not asked for).
+_Counted = tuple[Sequence[int], CountMethod, Sequence[PromptTokens] | None]
 
 
 class _UpstreamUnavailable(SidecarError):
@@ -151,7 +181,8 @@ class PromptCounter:
     already loaded. ``max_model_len`` resolves ``truncate_prompt_tokens: -1`` (pass the
     engine's; it is also learnt from ``/tokenize`` answers). The first local count of each
     :class:`PromptShape`, then one in ``self_check_every``, is compared with ``/tokenize`` in
-    the background and the outcome told to ``observer``.
+    the background and the outcome told to ``observer``. ``block_size`` (vLLM's KV block size)
+    turns on :attr:`TokenCount.prefix`; None costs nothing.
 
     >>> import asyncio
     >>> counter = PromptCounter(client=None, upstream=None, served_model=None,
@@ -173,7 +204,11 @@ class PromptCounter:
         upstream_timeout_s: float = _UPSTREAM_TIMEOUT_S,
         self_check_every: int = 100,
         observer: CountingObserver | None = None,
+        block_size: int | None = None,
     ) -> None:
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be a positive number of tokens, not {block_size}")
+        self.block_size = block_size
         self._client = client
         self._tokenize_url = None if upstream is None else str(upstream).rstrip("/") + "/tokenize"
         self._served_model = served_model
@@ -227,9 +262,10 @@ class PromptCounter:
         """
         started = time.perf_counter()
         plan: Plan | None = None
+        tokens: Sequence[PromptTokens] | None = None
         try:
             plan = plan_count(endpoint, body)
-            counts, method = await self._count(endpoint, plan)
+            counts, method, tokens = await self._count(endpoint, plan)
         except PromptError:
             raise
         except Exception as exc:
@@ -242,6 +278,7 @@ class PromptCounter:
             )
             counts = plan.estimate() if plan is not None else (estimate_anything(body),)
             method = CountMethod.ESTIMATE
+        prefix = None
         if plan is not None:
             if plan.truncation.keep == -1 and self.max_model_len is None:
                 self._warnings.warn(
@@ -250,31 +287,85 @@ class PromptCounter:
                     "was not given; the prompt is counted whole",
                 )
             counts = plan.truncation.apply_all(counts, self.max_model_len)
-        return TokenCount(tuple(counts), method, time.perf_counter() - started)
+            if tokens is not None and method is not CountMethod.ESTIMATE:
+                prefix = await self._prefix(endpoint, body, plan.truncation, tokens, counts)
+        return TokenCount(tuple(counts), method, time.perf_counter() - started, prefix)
+
+    # -- the prefix: chain hashes of the full blocks vLLM will cache -----------------------------
+
+    async def _prefix(
+        self,
+        endpoint: CountedEndpoint,
+        body: Mapping[str, Any],
+        truncation: Truncation,
+        tokens: Sequence[PromptTokens],
+        counts: Sequence[int],
+    ) -> tuple[BlockHashes, ...] | None:
+        block_size = self.block_size
+        if block_size is None or not _reads_prefix_cache(endpoint, body):
+            return None
+        salt = (self._salt_model(body), _salt_value(body.get("cache_salt")))
+        n_tokens = sum(len(t.ids) for t in tokens)
+        try:
+            if n_tokens <= _HASH_INLINE_TOKENS:
+                return _hash_prompts(
+                    tokens, counts, truncation, self.max_model_len, block_size, salt
+                )
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._pool(),
+                _hash_prompts,
+                tokens,
+                counts,
+                truncation,
+                self.max_model_len,
+                block_size,
+                salt,
+            )
+        except Exception as exc:
+            # A bug here must cost sharing (blocks charged in full), never the request.
+            self._warnings.warn(
+                "prefix",
+                "prompt block hashing failed (%s: %s); the prompt's blocks are not shared",
+                type(exc).__name__,
+                exc,
+            )
+            return None
+
+    def _salt_model(self, body: Mapping[str, Any]) -> str | None:
+        """The model name the request asks for: a LoRA adapter is selected by it, and vLLM keys
+        an adapter's blocks apart from the base model's."""
+        model = body.get("model")
+        if isinstance(model, str) and model:
+            return model
+        return self._served_model
 
     # -- the three ways ----------------------------------------------------------------------
 
-    async def _count(
-        self, endpoint: CountedEndpoint, plan: Plan
-    ) -> tuple[Sequence[int], CountMethod]:
-        """The untruncated counts of ``plan``, and how they were made."""
+    async def _count(self, endpoint: CountedEndpoint, plan: Plan) -> _Counted:
+        """The untruncated counts of ``plan``, how they were made, and the tokens behind them
+        (only when prefixes are asked for, and only if they are what vLLM will cache)."""
+        want = self.block_size is not None and not (isinstance(plan, ChatPlan) and plan.multimodal)
         if isinstance(plan, EstimatePlan):
             self._warnings.warn(
                 f"unsupported:{plan.reason}",
                 "cannot count %s exactly; using an upper-bound estimate",
                 plan.reason,
             )
-            return plan.estimate(), CountMethod.ESTIMATE
+            return plan.estimate(), CountMethod.ESTIMATE, None
         if isinstance(plan, ChatPlan) and plan.reused_ids is not None:
-            return (plan.reused_ids,), CountMethod.LOCAL
+            reused = plan.reused_ids
+            return (len(reused),), CountMethod.LOCAL, [PromptTokens(reused)] if want else None
         if isinstance(plan, CompletionPlan) and plan.token_ids_only:
-            return [len(p) for p in plan.prompts], CountMethod.LOCAL  # no tokenizer needed
+            # no tokenizer needed
+            ids = [p for p in plan.prompts if isinstance(p, list)]
+            return [len(p) for p in ids], CountMethod.LOCAL, [PromptTokens(p) for p in ids]
         local = self._tokenizer()
         shape = prompt_shape(endpoint, plan)
         usable = not (isinstance(plan, ChatPlan) and plan.upstream_only)
         if local is not None and usable and shape not in self._mismatched:
             try:
-                counts = await self._run(plan.chars, count_locally, local, plan)
+                tokens = await self._run(plan.chars, count_locally, local, plan)
             except NeedsUpstream as exc:
                 logger.debug("local count not exact (%s); asking vLLM", exc)
             except Exception as exc:
@@ -286,6 +377,7 @@ class PromptCounter:
                     exc,
                 )
             else:
+                counts = [len(t.ids) for t in tokens]
                 if local.harmony and isinstance(plan, ChatPlan):
                     # vLLM renders gpt-oss chats with Harmony, not with this template.
                     self._warnings.warn(
@@ -294,18 +386,19 @@ class PromptCounter:
                         "vLLM's count",
                         local.path,
                     )
-                    return counts, CountMethod.ESTIMATE
+                    return counts, CountMethod.ESTIMATE, None
                 self._maybe_self_check(shape, plan, counts)
-                return counts, CountMethod.LOCAL
+                return counts, CountMethod.LOCAL, tokens if want else None
         try:
-            return await self._count_upstream(plan), CountMethod.UPSTREAM
+            counts, known = await self._count_upstream(plan, want_tokens=want)
         except _UpstreamUnavailable as exc:
             self._warnings.warn(
                 "upstream",
                 "vLLM's /tokenize is unavailable (%s); prompt counts are upper-bound estimates",
                 exc,
             )
-        return plan.estimate(), CountMethod.ESTIMATE
+            return plan.estimate(), CountMethod.ESTIMATE, None
+        return counts, CountMethod.UPSTREAM, known
 
     # -- the self-check ----------------------------------------------------------------------
 
@@ -328,7 +421,7 @@ class PromptCounter:
         self, shape: PromptShape, plan: CompletionPlan | ChatPlan, local_counts: list[int]
     ) -> None:
         try:
-            upstream_counts = await self._count_upstream(plan)
+            upstream_counts, _ = await self._count_upstream(plan)
         except _UpstreamUnavailable as exc:
             # Not verifiable now: the next count of this shape is checked instead.
             logger.debug("self-check of %s counts postponed: %s", shape, exc)
@@ -364,19 +457,31 @@ class PromptCounter:
 
     # -- vLLM's /tokenize --------------------------------------------------------------------
 
-    async def _count_upstream(self, plan: CompletionPlan | ChatPlan) -> list[int]:
+    async def _count_upstream(
+        self, plan: CompletionPlan | ChatPlan, *, want_tokens: bool = False
+    ) -> tuple[list[int], list[PromptTokens] | None]:
+        """The untruncated counts by /tokenize, and (``want_tokens``) the ids it answered."""
         if self._client is None or self._tokenize_url is None:
             raise _UpstreamUnavailable("no upstream configured")
         if time.monotonic() < self._upstream_retry_at:
             # Recently failed: estimate now rather than make every request wait for a timeout.
             raise _UpstreamUnavailable(self._upstream_failure)
+        # Which of the answered ids the tokenizer added (BOS, EOS) /tokenize does not say: only
+        # without special tokens is it known (none), and truncation needs it.
+        added = None if plan.add_special_tokens else (0, 0)
         if isinstance(plan, ChatPlan):
-            return [await self._tokenize(plan.upstream_payload())]
+            count, ids = await self._tokenize(plan.upstream_payload(), want_tokens)
+            return [count], None if ids is None else [PromptTokens(ids, added)]
         counts = [len(p) if isinstance(p, list) else 0 for p in plan.prompts]
+        tokens: list[PromptTokens | None] = [
+            PromptTokens(p) if isinstance(p, list) else None for p in plan.prompts
+        ]
         texts = [(i, p) for i, p in enumerate(plan.prompts) if isinstance(p, str)]
         results = await asyncio.gather(
             *(
-                self._tokenize({"prompt": p, "add_special_tokens": plan.add_special_tokens})
+                self._tokenize(
+                    {"prompt": p, "add_special_tokens": plan.add_special_tokens}, want_tokens
+                )
                 for _, p in texts
             ),
             return_exceptions=True,
@@ -387,10 +492,15 @@ class PromptCounter:
             raise next((f for f in failures if isinstance(f, PromptError)), failures[0])
         for (i, _), result in zip(texts, results, strict=True):
             if not isinstance(result, BaseException):
-                counts[i] = result
-        return counts
+                counts[i], ids = result
+                tokens[i] = None if ids is None else PromptTokens(ids, added)
+        known = [t for t in tokens if t is not None]
+        return counts, known if want_tokens and len(known) == len(tokens) else None
 
-    async def _tokenize(self, payload: dict[str, Any]) -> int:
+    async def _tokenize(
+        self, payload: dict[str, Any], want_tokens: bool = False
+    ) -> tuple[int, list[int] | None]:
+        """The count /tokenize answers, and its token ids when asked for and consistent."""
         assert self._client is not None and self._tokenize_url is not None
         if self._served_model is not None:
             payload = {"model": self._served_model, **payload}
@@ -419,7 +529,10 @@ class PromptCounter:
         max_model_len = data.get("max_model_len")
         if self.max_model_len is None and isinstance(max_model_len, int):
             self.max_model_len = max_model_len
-        return count
+        ids = data.get("tokens") if want_tokens else None
+        if not (isinstance(ids, list) and len(ids) == count and all(type(t) is int for t in ids)):
+            ids = None  # not the ids of this count: no prefix rather than a wrong one
+        return count, ids
 
     def _upstream_failed(self, failure: str, retry_after_s: float) -> _UpstreamUnavailable:
         self._upstream_failure = f"{failure} (not retried for {retry_after_s:g} s)"
@@ -474,3 +587,47 @@ def _error_message(response: httpx.Response) -> str:
     except (ValueError, AttributeError):
         message = None
     return str(message or f"vLLM refused the prompt (HTTP {response.status_code})")
+
+
+def _reads_prefix_cache(endpoint: CountedEndpoint, body: Mapping[str, Any]) -> bool:
+    """Whether vLLM looks the request's prompt up in its prefix cache.
+
+    Prompt logprobs make it skip the lookup (``SamplingParams.skip_reading_prefix_cache``):
+    the request computes and holds its own blocks. vLLM asks for prompt logprobs when
+    ``prompt_logprobs`` is set, and for ``echo`` with logprobs (chat's ``top_logprobs``
+    defaults to 0, so a chat ``echo`` always does).
+    """
+    if body.get("prompt_logprobs") is not None:
+        return False
+    if body.get("echo"):
+        logprobs = (
+            body.get("logprobs") if endpoint == "completions" else body.get("top_logprobs", 0)
+        )
+        return logprobs is None
+    return True
+
+
+def _salt_value(value: object) -> str | None:
+    """``cache_salt`` as a hashable key (vLLM takes a string; anything else is keyed apart)."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _hash_prompts(
+    tokens: Sequence[PromptTokens],
+    counts: Sequence[int],
+    truncation: Truncation,
+    max_model_len: int | None,
+    block_size: int,
+    salt: object,
+) -> tuple[BlockHashes, ...] | None:
+    """The block hashes of every prompt, truncated as vLLM truncates it; None if any prompt's
+    kept ids are unknown or disagree with its count (never a guess)."""
+    out: list[BlockHashes] = []
+    for prompt, count in zip(tokens, counts, strict=True):
+        ids = truncation.apply_ids(prompt, max_model_len)
+        if ids is None or len(ids) != count:
+            return None
+        out.append(block_hashes(ids, block_size=block_size, salt=salt))
+    return tuple(out)

@@ -62,21 +62,69 @@ class Truncation:
     keep: int | None = None
     max_output_tokens: int = 0
 
+    def keep_for(self, max_model_len: int | None) -> int | None:
+        """How many tokens vLLM keeps at most; None: the whole prompt (no truncation, or ``-1``
+        with ``max_model_len`` unknown: vLLM's own check decides)."""
+        keep = self.keep
+        if keep is None or keep >= 0:
+            return keep
+        if max_model_len is None:
+            return None
+        # vLLM holds one token of context back for output when output was asked for.
+        return max_model_len if self.max_output_tokens == 0 else max(0, max_model_len - 1)
+
     def apply(self, count: int, max_model_len: int | None) -> int:
         """The tokens vLLM keeps of a ``count``-token prompt; ``-1`` needs ``max_model_len``
         (unknown: the count is left whole, and vLLM's own check decides)."""
-        if self.keep is None:
-            return count
-        keep = self.keep
-        if keep < 0:
-            if max_model_len is None:
-                return count
-            # vLLM holds one token of context back for output when output was asked for.
-            keep = max_model_len if self.max_output_tokens == 0 else max(0, max_model_len - 1)
-        return min(count, keep)
+        keep = self.keep_for(max_model_len)
+        return count if keep is None else min(count, keep)
 
     def apply_all(self, counts: Sequence[int], max_model_len: int | None) -> tuple[int, ...]:
         return tuple(self.apply(n, max_model_len) for n in counts)
+
+    def apply_ids(self, tokens: PromptTokens, max_model_len: int | None) -> Sequence[int] | None:
+        """The token ids vLLM keeps (and caches) of ``tokens``; None when that is not known.
+
+        A generating vLLM truncates on the left (its tokenizers are loaded with
+        ``truncation_side="left"``, ``vllm/tokenizers/registry.py``): it keeps the *last*
+        tokens. Text is truncated by the tokenizer itself (``truncation=True, max_length=keep``),
+        which keeps the tokens it adds around the text (BOS, EOS) and cuts the text's own
+        tokens; token ids are sliced (``TokenizeParams._truncation_slice``).
+
+        >>> t = Truncation(4)
+        >>> t.apply_ids(PromptTokens([1, 2, 3, 4, 5, 6]), None)
+        [3, 4, 5, 6]
+        >>> t.apply_ids(PromptTokens([0, 2, 3, 4, 5, 9], added=(1, 1)), None)
+        [0, 4, 5, 9]
+        >>> t.apply_ids(PromptTokens([0, 2, 3, 4, 5, 6], added=None), None) is None
+        True
+        """
+        ids = tokens.ids
+        keep = self.keep_for(max_model_len)
+        if keep is None or keep >= len(ids):
+            return ids
+        if tokens.added is None:
+            return None  # which ids the tokenizer added is unknown
+        head, tail = tokens.added
+        kept = keep - head - tail
+        if kept < 0 or (keep == 0 and head + tail):
+            return None  # the tokenizer's own corner cases: not worth mirroring
+        end = len(ids) - tail
+        return [*ids[:head], *ids[end - kept : end], *ids[end:]]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """One prompt's token ids as vLLM's tokenizer makes them, before truncation.
+
+    ``added``: how many of them the tokenizer itself added before and after the text (its
+    post-processor's BOS, EOS), which truncation keeps; ``(0, 0)`` for token ids given as such
+    and for text tokenized without special tokens; None when unknown (vLLM's ``/tokenize``
+    with special tokens).
+    """
+
+    ids: Sequence[int]
+    added: tuple[int, int] | None = (0, 0)
 
 
 @dataclass(slots=True)
@@ -117,8 +165,8 @@ class ChatPlan:
     upstream_only: str | None = None
     #: a request-supplied chat template, for the upstream call
     chat_template: str | None = None
-    #: ``kv_transfer_params.prompt_token_ids``: the prompt vLLM will use as is
-    reused_ids: int | None = None
+    #: ``kv_transfer_params.prompt_token_ids``: the prompt vLLM will use as is (untruncated)
+    reused_ids: list[int] | None = None
     #: the messages in the shape /tokenize validates, when ``messages`` are not (Responses)
     upstream_messages: Sequence[Mapping[str, Any]] | None = None
 
@@ -148,7 +196,7 @@ class ChatPlan:
 
     def estimate(self) -> tuple[int, ...]:
         if self.reused_ids is not None:
-            return (self.reused_ids,)
+            return (len(self.reused_ids),)
         return (estimate_chat(self.messages, self.tools, self.template_kwargs),)
 
 
@@ -269,8 +317,12 @@ def _template_kwargs(body: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[
     return merge_kwargs(user, merged)
 
 
-def _reused_ids(body: Mapping[str, Any], messages: object) -> int | None:
-    """Disaggregated decode: vLLM takes forwarded prompt ids instead of rendering the chat."""
+def _reused_ids(body: Mapping[str, Any], messages: object) -> list[int] | None:
+    """Disaggregated decode: vLLM takes forwarded prompt ids instead of rendering the chat.
+
+    It feeds them to the engine as they are (``preprocess_chat`` in
+    ``vllm/renderers/online_renderer.py``): no template, no tokenizer, no truncation.
+    """
     kv = body.get("kv_transfer_params")
     if not isinstance(kv, Mapping):
         return None
@@ -282,7 +334,7 @@ def _reused_ids(body: Mapping[str, Any], messages: object) -> int | None:
             "`kv_transfer_params['prompt_token_ids']` must be a non-empty list "
             "of non-negative integers."
         )
-    return len(ids)
+    return ids
 
 
 def _plan_chat(body: Mapping[str, Any]) -> Plan:
@@ -311,6 +363,10 @@ def _plan_chat(body: Mapping[str, Any]) -> Plan:
     if chat_template is not None and not isinstance(chat_template, str):
         raise PromptError("`chat_template` must be a string.")
     multimodal = has_non_text_content(messages)
+    truncation = _truncation(body, max_output or 0)
+    reused = _reused_ids(body, messages)
+    if reused is not None:
+        truncation = Truncation()  # forwarded ids reach the engine untruncated
     upstream_only = None
     if chat_template is not None or template_kwargs.get("chat_template") is not None:
         upstream_only = "a request-supplied chat template"
@@ -323,12 +379,12 @@ def _plan_chat(body: Mapping[str, Any]) -> Plan:
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         add_special_tokens=_flag(body, "add_special_tokens", False),
-        truncation=_truncation(body, max_output or 0),
+        truncation=truncation,
         chars=chars_in(messages) + chars_in(tools) + chars_in(documents),
         multimodal=multimodal,
         upstream_only=upstream_only,
         chat_template=chat_template,
-        reused_ids=_reused_ids(body, messages),
+        reused_ids=reused,
     )
 
 
@@ -356,6 +412,9 @@ def _plan_responses(body: Mapping[str, Any]) -> Plan:
     effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
     tools = response_tools(body.get("tools"))
     multimodal = has_non_text_content(messages)
+    reused = _reused_ids(body, messages)
+    if reused is not None:
+        truncation = Truncation()  # forwarded ids reach the engine untruncated
     return ChatPlan(
         messages=messages,
         tools=tools,
@@ -368,7 +427,7 @@ def _plan_responses(body: Mapping[str, Any]) -> Plan:
         chars=chars_in(messages) + chars_in(tools),
         multimodal=multimodal,
         upstream_only="non-text content" if multimodal else None,
-        reused_ids=_reused_ids(body, messages),
+        reused_ids=reused,
         upstream_messages=[as_chat_message(m) for m in messages],
     )
 

@@ -5,10 +5,20 @@ request will cost (prompt, ``max_tokens``, ``n``) and to refuse, with an OpenAI-
 body vLLM would refuse anyway or that the sidecar cannot account for. Unknown fields are ignored
 here and pass through untouched.
 
+``max_tokens`` is kept as the client sent it; :attr:`GenerationRequest.requested_max_tokens` is
+what vLLM's request object holds once validated. For ``/v1/completions`` an absent or null
+``max_tokens`` is 16 (vLLM 0.32: ``CompletionRequest.max_tokens: int | None = 16`` and its
+``normalize_null_max_tokens`` validator, which turns an explicit null into the same 16); for
+chat, responses and messages it stays None, and the server's generation config decides
+(``sidecar.kv.projection.project_counts``).
+
 >>> r = parse_generation("chat", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}],'
 ...                      b' "max_tokens": 8, "stream": true}')
 >>> (r.endpoint, r.max_tokens, r.stream, r.n)
 ('chat', 8, True, 1)
+>>> r = parse_generation("completions", b'{"prompt": "hi"}')
+>>> (r.max_tokens, r.requested_max_tokens)
+(None, 16)
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from typing import Any, Literal
 from sidecar.errors import BadRequest
 
 __all__ = [
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "GENERATION_PATHS",
     "CountedEndpoint",
     "Endpoint",
@@ -45,6 +56,9 @@ GENERATION_PATHS: dict[str, Endpoint] = {
 MAX_JSON_DEPTH = 64
 MAX_PROMPTS = 1024
 MAX_N = 128
+#: vLLM 0.32's ``CompletionRequest.max_tokens`` default (entrypoints/openai/completion/protocol.py),
+#: also what its ``normalize_null_max_tokens`` validator makes of an explicit ``null``.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +68,24 @@ class GenerationRequest:
     endpoint: Endpoint
     body: dict[str, Any]
     stream: bool
-    max_tokens: int | None  # as requested (None: the rest of the context)
+    max_tokens: int | None  # as the client sent it (None: absent or null)
     max_tokens_param: str
     n: int
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The ``max_tokens`` vLLM's request object holds once validated; None: none, and the
+        server's generation config default (else the rest of the context) applies.
+
+        ``/v1/completions``: absent or null is 16; ``echo`` with ``max_tokens: 0`` generates one
+        token (vLLM's ``echo_without_generation`` runs with ``max_tokens=1``).
+        """
+        if self.endpoint == "completions":
+            if self.max_tokens is None:
+                return COMPLETIONS_DEFAULT_MAX_TOKENS
+            if self.max_tokens == 0:
+                return 1  # only parsed with echo: true
+        return self.max_tokens
 
 
 def _depth_ok(value: Any, limit: int) -> bool:
@@ -202,7 +231,10 @@ def parse_generation(endpoint: Endpoint, raw: bytes) -> GenerationRequest:
         max_tokens = _int_field(body, param, minimum=1)
     else:
         param = "max_tokens"
-        max_tokens = _int_field(body, param, minimum=1)
+        # vLLM scores an echoed prompt without generating (max_tokens 0, e.g. lm-eval's
+        # loglikelihood requests); elsewhere SamplingParams wants at least 1
+        echo_only = endpoint == "completions" and body.get("echo") is True
+        max_tokens = _int_field(body, param, minimum=0 if echo_only else 1)
     if endpoint == "messages" and max_tokens is None:
         raise BadRequest("'max_tokens' is required", param="max_tokens")
 

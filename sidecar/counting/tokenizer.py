@@ -2,8 +2,9 @@
 
 :class:`ModelTokenizer` wraps a transformers fast tokenizer (untyped behind it) with a small
 pool of copies, so that a long prompt can be counted on a worker thread while the event loop
-keeps serving; :func:`count_locally` counts a plan with it. What vLLM does to the messages
-before the template sees them is in :mod:`sidecar.counting.render`.
+keeps serving; :func:`count_locally` tokenizes a plan with it, giving the token ids themselves
+(the counts are their lengths; the ids key the prefix cache's blocks). What vLLM does to the
+messages before the template sees them is in :mod:`sidecar.counting.render`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.counting.content_format import detect_content_format
-from sidecar.counting.plan import ChatPlan, CompletionPlan
+from sidecar.counting.plan import ChatPlan, CompletionPlan, PromptTokens
 from sidecar.counting.render import (
     NeedsUpstream,
     conversation,
@@ -43,12 +44,14 @@ class ModelTokenizer:
 
         tok = ModelTokenizer.load("/models/tiny")
         tok.count_text("hello world", add_special_tokens=True)  # 3
+        tok.encode_text("hello world", add_special_tokens=True)  # [280, 378, 503]
     """
 
     def __init__(self, hf_tokenizer: Any, *, path: Path, harmony: bool = False) -> None:
         self.path = path
         #: the model renders chat with Harmony, not its HF chat template (gpt-oss)
         self.harmony = harmony
+        _plain(hf_tokenizer)
         self._pristine = copy.deepcopy(hf_tokenizer)
         self._pool: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pool.put(hf_tokenizer)
@@ -56,6 +59,7 @@ class ModelTokenizer:
             self._pool.put(copy.deepcopy(hf_tokenizer))
         self._lock = threading.Lock()
         self._templates = {tools: _chat_template(hf_tokenizer, tools) for tools in (False, True)}
+        self._added = {flag: _added_around(hf_tokenizer, flag) for flag in (False, True)}
 
     @classmethod
     def load(cls, path: str | Path) -> ModelTokenizer:
@@ -89,12 +93,23 @@ class ModelTokenizer:
         finally:
             self._pool.put(tok)
 
-    def count_text(self, text: str, *, add_special_tokens: bool) -> int:
+    def encode_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """The token ids of ``text``, untruncated, as vLLM's tokenizer call makes them."""
         with self._borrow() as tok:
             # the Rust tokenizer itself: what transformers' __call__ runs for a fast tokenizer,
             # without its per-call Python (measured at ~40% of a short prompt's count)
             encoding = tok.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return len(encoding.ids)
+        ids: list[int] = encoding.ids
+        return ids
+
+    def count_text(self, text: str, *, add_special_tokens: bool) -> int:
+        return len(self.encode_text(text, add_special_tokens=add_special_tokens))
+
+    def text_tokens(self, text: str, *, add_special_tokens: bool) -> PromptTokens:
+        """``text`` tokenized, with how many ids the tokenizer added around it (truncation
+        keeps those)."""
+        ids = self.encode_text(text, add_special_tokens=add_special_tokens)
+        return PromptTokens(ids, self._added[add_special_tokens])
 
     def chat_template(self, *, with_tools: bool) -> str | None:
         """The template vLLM picks (a ``tool_use`` variant when tools are given), or None."""
@@ -140,6 +155,39 @@ def _chat_template(hf_tokenizer: Any, with_tools: bool) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _plain(hf_tokenizer: Any) -> None:
+    """Turn off truncation and padding in the Rust tokenizer (a ``tokenizer.json`` may switch
+    them on, and they stick after a transformers call that used them): vLLM's tokenizer call
+    sets both per call, off unless asked, and the ids here are read from the Rust tokenizer."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
+
+
+def _added_around(hf_tokenizer: Any, add_special_tokens: bool) -> tuple[int, int] | None:
+    """How many ids the tokenizer's post-processor adds before and after a text (BOS, EOS):
+    the same for every text, so read once from a sample; None if it cannot be told."""
+    if not add_special_tokens:
+        return (0, 0)
+    try:
+        backend = hf_tokenizer.backend_tokenizer
+        sample = backend.encode("a b", add_special_tokens=True)
+        bare = backend.encode("", add_special_tokens=True)
+        sequence_ids = list(sample.sequence_ids)
+    except Exception:
+        return None
+    head = next((i for i, s in enumerate(sequence_ids) if s is not None), None)
+    if head is None:
+        return None
+    tail = next(i for i, s in enumerate(reversed(sequence_ids)) if s is not None)
+    if head + tail != len(bare.ids) or any(
+        s is None for s in sequence_ids[head : len(sequence_ids) - tail]
+    ):
+        return None  # not a plain "added + text + added" layout
+    return (head, tail)
+
+
 def _is_mistral_repo(directory: Path) -> bool:
     if not directory.is_dir() or not any(directory.glob("consolidated*.safetensors")):
         return False
@@ -155,13 +203,14 @@ def _model_type(directory: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def count_locally(tokenizer: ModelTokenizer, plan: CompletionPlan | ChatPlan) -> list[int]:
-    """The exact local count (blocking; may run on a worker thread)."""
+def count_locally(tokenizer: ModelTokenizer, plan: CompletionPlan | ChatPlan) -> list[PromptTokens]:
+    """The exact local tokens of each prompt, untruncated (blocking; may run on a worker
+    thread): their lengths are the counts, and their ids are what vLLM caches."""
     if isinstance(plan, CompletionPlan):
         return [
-            len(p)
+            PromptTokens(p)
             if isinstance(p, list)
-            else tokenizer.count_text(p, add_special_tokens=plan.add_special_tokens)
+            else tokenizer.text_tokens(p, add_special_tokens=plan.add_special_tokens)
             for p in plan.prompts
         ]
     if plan.upstream_only:
@@ -171,5 +220,5 @@ def count_locally(tokenizer: ModelTokenizer, plan: CompletionPlan | ChatPlan) ->
         raise NeedsUpstream("a request-supplied chat template")
     rendered = tokenizer.render_chat(plan.messages, kwargs)
     if isinstance(rendered, list):
-        return [len(rendered)]
-    return [tokenizer.count_text(rendered, add_special_tokens=plan.add_special_tokens)]
+        return [PromptTokens(rendered)]  # ids from the template: vLLM slices them as given
+    return [tokenizer.text_tokens(rendered, add_special_tokens=plan.add_special_tokens)]
