@@ -71,6 +71,15 @@ class Settings(BaseSettings):
     """Model name clients send (default: the first model vLLM lists)."""
     max_model_len: int | None = Field(default=None, gt=0)
     """Context length (default: vLLM's /v1/models)."""
+    default_max_tokens: int | None = Field(default=None, ge=0)
+    """vLLM's default max_tokens for chat and Responses requests that name none: its generation
+    config's max_new_tokens (default: read from the model directory's generation_config.json
+    when readable, else none: the rest of the context; 0: none, whatever the file says, as with
+    vLLM's --generation-config vllm)."""
+    max_tokens_cap: int | None = Field(default=None, gt=0)
+    """vLLM's cap on every request's max_tokens, even one that names its own: the max_new_tokens
+    of --override-generation-config, or of the generation config vLLM reads from a
+    --generation-config directory (default: no cap)."""
 
     policy: Policy = Policy.QUEUE
     """A request that does not fit now: refuse with 429 (reject), wait (queue), or forward it
@@ -82,11 +91,12 @@ class Settings(BaseSettings):
     headroom: float = Field(default=0.05, ge=0, lt=1)
     """Share of KV blocks never promised to requests."""
     reservation: ReservationMode = ReservationMode.WORST_CASE
-    """worst-case: reserve prompt + max_tokens; expected: prompt + a learned completion quantile."""
-    expected_quantile: float = Field(default=0.95, gt=0, le=1)
-    """Quantile of completion/max_tokens ratios reserved in expected mode."""
+    """worst-case: every request may run to max_tokens; expected: a learned answer length per
+    request class (endpoint and max_tokens bucket, or the x-kv-sidecar-class header)."""
+    expected_quantile: float = Field(default=0.95, gt=0, lt=1)
+    """Quantile of a request class's answer lengths reserved in expected mode."""
     expected_prior: float = Field(default=1.0, gt=0, le=1)
-    """Share of max_tokens reserved in expected mode until 20 answers have been seen."""
+    """Share of max_tokens reserved in expected mode while a class has too few answers."""
     scrape_interval: float = Field(default=0.5, gt=0)
     """Seconds between scrapes of vLLM's /metrics."""
     metrics_stale_after: float = Field(default=5.0, gt=0)

@@ -68,11 +68,33 @@ GZIP_BODY = gzip.compress(b"vLLM says hello, compressed. " * 64, mtime=0)
 MetricsMode = Literal["ok", "error", "garbage", "hang", "no_cache_config"]
 
 
-def write_model_dir(path: Path) -> Path:
-    """A model directory holding only ``config.json`` (no tokenizer files)."""
+#: vLLM 0.32's ``CompletionRequest.max_tokens`` default, also for an explicit null.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def write_model_dir(path: Path, *, max_new_tokens: int | None = None) -> Path:
+    """A model directory holding only ``config.json`` (no tokenizer files), and with
+    ``max_new_tokens`` a ``generation_config.json`` that sets it."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
+    if max_new_tokens is not None:
+        generation = {"bos_token_id": 0, "eos_token_id": 1, "max_new_tokens": max_new_tokens}
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path
+
+
+def generation_default(model_root: Path | None) -> int | None:
+    """``max_new_tokens`` of the model's ``generation_config.json``: what vLLM's default
+    ``--generation-config auto`` takes as the default ``max_tokens``."""
+    if model_root is None:
+        return None
+    try:
+        value = json.loads((model_root / "generation_config.json").read_text()).get(
+            "max_new_tokens"
+        )
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _words(text: str) -> int:
@@ -155,6 +177,11 @@ class FakeVllm:
         self.block_size = 128
         self.metrics_mode: MetricsMode = "ok"
         self.token_delay = 0.0  # seconds per generated token
+        # vLLM's generation config: the default max_tokens of a chat request that names none
+        # (read from model_root as --generation-config auto does), and --override-generation-
+        # config's max_new_tokens, which caps every request (vLLM's override_max_tokens)
+        self.default_max_tokens: int | None = generation_default(model_root)
+        self.max_tokens_cap: int | None = None
         self.fail_after: int | None = None  # generations crash after this many tokens
         # what it saw
         self.requests: list[Recorded] = []
@@ -424,8 +451,18 @@ class FakeVllm:
         try:
             body = rec.json()
             prompt_tokens = count_prompt(body)
-            max_tokens = body.get("max_completion_tokens") if chat else None
-            max_tokens = max_tokens or body.get("max_tokens")
+            param = "max_tokens"
+            if chat:
+                # vLLM: max_completion_tokens if not None, else max_tokens (None: no default)
+                if body.get("max_completion_tokens") is not None:
+                    param = "max_completion_tokens"
+                max_tokens = body.get(param)
+            else:
+                # CompletionRequest.max_tokens = 16, and normalize_null_max_tokens makes an
+                # explicit null the same 16
+                max_tokens = body.get("max_tokens")
+                if max_tokens is None:
+                    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         except (ValueError, TypeError, AttributeError) as exc:
             await respond(send, 400, vllm_error(f"bad request: {exc}"))
             return
@@ -436,13 +473,17 @@ class FakeVllm:
             return
         if max_tokens is not None and max_tokens > self.max_model_len:
             message = (
-                f"max_tokens={max_tokens} cannot be greater than max_model_len="
+                f"{param}={max_tokens} cannot be greater than max_model_len="
                 f"{self.max_model_len}. Please request fewer output tokens."
             )
             await respond(send, 400, vllm_error(message))
             return
-        room = self.max_model_len - prompt_tokens
-        tokens = room if max_tokens is None else min(room, max_tokens)
+        tokens = self.max_tokens_for(prompt_tokens, max_tokens)
+        if not chat and body.get("echo") is True and max_tokens == 0:
+            tokens = 1  # vLLM's echo_without_generation runs with max_tokens=1
+        if tokens < 1:  # SamplingParams._verify_args
+            await respond(send, 400, vllm_error(f"max_tokens must be at least 1, got {tokens}."))
+            return
         if isinstance(body.get("fake_len"), int):
             tokens = min(tokens, body["fake_len"])
         n = int(body.get("n") or 1)
@@ -460,6 +501,14 @@ class FakeVllm:
         else:
             work = self._answer(send, chat, rid, tokens, n, usage)
         await self._run_watched(receive, work)
+
+    def max_tokens_for(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """vLLM's ``get_max_tokens`` (entrypoints/serve/utils/api_utils.py): the least of the
+        rest of the context, the request's max_tokens (else the generation config's default)
+        and the override cap."""
+        fallback = max_tokens if max_tokens is not None else self.default_max_tokens
+        limits = (self.max_model_len - prompt_tokens, fallback, self.max_tokens_cap)
+        return min(v for v in limits if v is not None)
 
     async def _decode(self, step: int) -> str:
         if self.token_delay:

@@ -77,3 +77,108 @@ def test_estimated_counts_are_capped_not_refused() -> None:
         (5000,), requested_max_tokens=100, n=1, max_model_len=1024, blocks=B128, exact=False
     )
     assert p.prompt_tokens == (1023,) and p.max_tokens == (1,) and not p.exact
+
+
+# --- vLLM's defaults (entrypoints/serve/utils/api_utils.py get_max_tokens) ---------------------
+
+
+def test_generation_config_default_applies_only_without_max_tokens() -> None:
+    # a chat request naming no max_tokens: the generation config's max_new_tokens
+    p = project_counts(
+        (100,),
+        requested_max_tokens=None,
+        n=1,
+        max_model_len=1024,
+        blocks=B128,
+        default_max_tokens=256,
+    )
+    assert p.max_tokens == (256,) and p.peak_blocks == 3
+    # a request's own max_tokens wins over the default, larger or smaller
+    for asked in (10, 500):
+        p = project_counts(
+            (100,),
+            requested_max_tokens=asked,
+            n=1,
+            max_model_len=1024,
+            blocks=B128,
+            default_max_tokens=256,
+        )
+        assert p.max_tokens == (asked,)
+
+
+def test_default_is_clamped_to_the_rest_of_the_context_never_refused() -> None:
+    # vLLM checks only the request's own value against max_model_len
+    p = project_counts(
+        (900,),
+        requested_max_tokens=None,
+        n=1,
+        max_model_len=1024,
+        blocks=B128,
+        default_max_tokens=5000,
+    )
+    assert p.max_tokens == (124,)
+
+
+def test_cap_bounds_every_request_even_an_explicit_one() -> None:
+    for asked, default in ((600, None), (None, None), (None, 256), (10, None)):
+        p = project_counts(
+            (100,),
+            requested_max_tokens=asked,
+            n=1,
+            max_model_len=1024,
+            blocks=B128,
+            default_max_tokens=default,
+            max_tokens_cap=64,
+        )
+        assert p.max_tokens == (min(64, asked or 64),), (asked, default)
+    # the cap never lifts the context clamp, and never turns the 400 off
+    p = project_counts(
+        (1000,),
+        requested_max_tokens=None,
+        n=1,
+        max_model_len=1024,
+        blocks=B128,
+        max_tokens_cap=64,
+    )
+    assert p.max_tokens == (24,)
+    with pytest.raises(BadRequest, match="max_tokens=2000 cannot be greater"):
+        project_counts(
+            (10,),
+            requested_max_tokens=2000,
+            n=1,
+            max_model_len=1024,
+            blocks=B128,
+            max_tokens_cap=64,
+        )
+
+
+def test_defaults_apply_per_prompt_and_per_sequence() -> None:
+    p = project_counts(
+        (1000, 10),
+        requested_max_tokens=None,
+        n=2,
+        max_model_len=1024,
+        blocks=B128,
+        default_max_tokens=100,
+    )
+    assert p.max_tokens == (24, 100)
+    assert p.peak_tokens == 2 * (1024 + 110)
+
+
+def test_completions_default_of_16_projects_as_a_request_for_16() -> None:
+    from sidecar.counting.request import parse_generation
+
+    for raw in (b'{"prompt": "x"}', b'{"prompt": "x", "max_tokens": null}'):
+        request = parse_generation("completions", raw)
+        p = project_counts(
+            (5,),
+            requested_max_tokens=request.requested_max_tokens,
+            n=1,
+            max_model_len=1024,
+            blocks=B128,
+            default_max_tokens=256,  # never used for completions
+        )
+        assert p.max_tokens == (16,)
+    # ... so a context under 16 refuses it as vLLM does
+    with pytest.raises(BadRequest, match=r"max_tokens=16 cannot be greater than max_model_len=8"):
+        project_counts((2,), requested_max_tokens=16, n=1, max_model_len=8, blocks=B128)

@@ -951,3 +951,123 @@ async def test_process_never_forwards_to_another_host(
         status, _ = await raw_http(sidecar_process.port, request)
         assert status in (400, 404), target
     assert evil.app.requests == []
+
+
+# --- vLLM's max_tokens defaults (checked against a real vLLM in test_vllm_defaults.py) ----------
+
+
+def projected_max_tokens(stack: Stack) -> float:
+    """The sum of every effective max_tokens the sidecar projected so far."""
+    return stack.sample("kv_sidecar_request_max_tokens_sum")
+
+
+async def generated(resp: httpx.Response) -> int:
+    assert resp.status_code == 200, resp.text
+    return int(resp.json()["usage"]["completion_tokens"])
+
+
+async def test_completion_without_max_tokens_projects_16_as_vllm_generates(stack: Stack) -> None:
+    for body in (
+        {"model": "tiny", "prompt": PROMPT},
+        {"model": "tiny", "prompt": PROMPT, "max_tokens": None},
+    ):
+        before = projected_max_tokens(stack)
+        assert await generated(await stack.client.post("/v1/completions", json=body)) == 16
+        assert projected_max_tokens(stack) - before == 16
+    await eventually(stack.ledger_empty, "the reservations were released")
+
+
+async def test_chat_without_max_tokens_projects_the_rest_of_the_context(stack: Stack) -> None:
+    body = {"model": "tiny", "messages": CHAT}
+    room = stack.fake.max_model_len - count_prompt(body)
+    assert await generated(await stack.client.post("/v1/chat/completions", json=body)) == room
+    assert projected_max_tokens(stack) == room
+    assert stack.sidecar.engine is not None
+    assert stack.sidecar.engine.config.default_max_tokens is None
+
+
+async def test_generation_config_default_is_read_from_the_model_dir(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = write_model_dir(tmp_path / "gen", max_new_tokens=40)
+    fake = FakeVllm(model_root=root)
+    assert fake.default_max_tokens == 40  # the fake reads it as vLLM's "auto" does
+    caplog.set_level("INFO", logger="sidecar.engine.discovery")
+    with FakeServer(fake) as server:
+        async with run_sidecar(server) as stack:
+            assert stack.sidecar.engine is not None
+            assert stack.sidecar.engine.config.default_max_tokens == 40
+            assert stack.sidecar.engine.config.max_tokens_cap is None
+            chat_body = {"model": "tiny", "messages": CHAT}
+            resp = await stack.client.post("/v1/chat/completions", json=chat_body)
+            assert await generated(resp) == 40
+            assert projected_max_tokens(stack) == 40
+            # an explicit max_tokens wins over the default, larger or smaller
+            for asked in (7, 100):
+                before = projected_max_tokens(stack)
+                resp = await stack.client.post(
+                    "/v1/chat/completions", json={**chat_body, "max_tokens": asked}
+                )
+                assert await generated(resp) == asked
+                assert projected_max_tokens(stack) - before == asked
+            # completions keep their own 16
+            before = projected_max_tokens(stack)
+            resp = await stack.client.post("/v1/completions", json={"prompt": PROMPT})
+            assert await generated(resp) == 16
+            assert projected_max_tokens(stack) - before == 16
+    assert any(
+        "get 40 (max_new_tokens in" in r.getMessage() and "generation_config.json" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+
+
+async def test_default_max_tokens_flag_wins_over_the_file(tmp_path: Path) -> None:
+    root = write_model_dir(tmp_path / "gen", max_new_tokens=40)
+    fake = FakeVllm(model_root=root)
+    fake.default_max_tokens = None  # vLLM started with --generation-config vllm
+    body = {"model": "tiny", "messages": CHAT}
+    room = fake.max_model_len - count_prompt(body)
+    with FakeServer(fake) as server:
+        async with run_sidecar(server, default_max_tokens=0) as stack:
+            assert stack.sidecar.engine is not None
+            assert stack.sidecar.engine.config.default_max_tokens is None
+            resp = await stack.client.post("/v1/chat/completions", json=body)
+            assert await generated(resp) == room
+            assert projected_max_tokens(stack) == room
+        fake.default_max_tokens = 25  # vLLM with --generation-config DIR (and no cap there)
+        async with run_sidecar(server, default_max_tokens=25) as stack:
+            resp = await stack.client.post("/v1/chat/completions", json=body)
+            assert await generated(resp) == 25
+            assert projected_max_tokens(stack) == 25
+
+
+async def test_max_tokens_cap_bounds_every_request(upstream: FakeServer) -> None:
+    upstream.app.max_tokens_cap = 20  # vLLM: --override-generation-config '{"max_new_tokens": 20}'
+    async with run_sidecar(upstream, max_tokens_cap=20) as stack:
+        assert stack.sidecar.engine is not None
+        assert stack.sidecar.engine.config.max_tokens_cap == 20
+        cases: list[tuple[str, dict[str, Any], int]] = [
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100}, 20),
+            ("/v1/completions", {"prompt": PROMPT}, 16),
+            ("/v1/chat/completions", {"messages": CHAT}, 20),
+            ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 500}, 20),
+            ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 5}, 5),
+        ]
+        for path, body, expected in cases:
+            before = projected_max_tokens(stack)
+            resp = await stack.client.post(path, json={"model": "tiny", **body})
+            assert await generated(resp) == expected, (path, body)
+            assert projected_max_tokens(stack) - before == expected, (path, body)
+        # the cap does not lift vLLM's 400 for a max_tokens beyond the context
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5000}
+        direct = await stack.direct.post("/v1/completions", json=body)
+        resp = await stack.client.post("/v1/completions", json=body)
+        assert resp.status_code == direct.status_code == 400
+
+
+async def test_echo_with_max_tokens_0_is_forwarded_and_projects_one_token(stack: Stack) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "echo": True, "max_tokens": 0}
+    assert await generated(await stack.client.post("/v1/completions", json=body)) == 1
+    assert projected_max_tokens(stack) == 1
+    resp = await stack.client.post("/v1/completions", json={**body, "echo": False})
+    assert openai_error(resp, 400, "invalid_request")["param"] == "max_tokens"

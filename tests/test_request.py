@@ -136,3 +136,70 @@ async def test_messages_are_checked_once_for_parsing_and_counting(messages: obje
         await counter.count("chat", {"messages": messages})
     assert str(counted.value) == str(parsed.value)
     assert parsed.value.param == "messages"
+
+
+# --- vLLM 0.32's max_tokens defaults per endpoint -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "client", "requested"),
+    [
+        (body(prompt="x"), None, 16),  # CompletionRequest.max_tokens: int | None = 16
+        (body(prompt="x", max_tokens=None), None, 16),  # normalize_null_max_tokens: also 16
+        (body(prompt="x", max_tokens=5), 5, 5),
+        (body(prompt="x", max_tokens=5000), 5000, 5000),  # refused later, by the projection
+        (body(prompt="x", echo=True, max_tokens=0), 0, 1),  # echo_without_generation: 1 token
+    ],
+    ids=["absent", "null", "explicit", "too-large", "echo-0"],
+)
+def test_completions_default_is_16_absent_or_null(
+    raw: bytes, client: int | None, requested: int
+) -> None:
+    r = parse_generation("completions", raw)
+    assert (r.max_tokens, r.requested_max_tokens, r.max_tokens_param) == (
+        client,
+        requested,
+        "max_tokens",
+    )
+
+
+def test_max_tokens_0_without_echo_is_refused_as_vllm_does() -> None:
+    for raw in (body(prompt="x", max_tokens=0), body(prompt="x", echo=False, max_tokens=0)):
+        with pytest.raises(BadRequest, match="at least 1"):
+            parse_generation("completions", raw)
+    with pytest.raises(BadRequest, match="at least 1"):
+        parse_generation("chat", body(messages=CHAT, echo=True, max_tokens=0))
+
+
+@pytest.mark.parametrize(
+    ("fields", "requested", "param"),
+    [
+        ({}, None, "max_tokens"),
+        ({"max_tokens": None}, None, "max_tokens"),
+        ({"max_tokens": None, "max_completion_tokens": None}, None, "max_tokens"),
+        ({"max_tokens": 7}, 7, "max_tokens"),
+        ({"max_completion_tokens": 9}, 9, "max_completion_tokens"),
+        ({"max_completion_tokens": 9, "max_tokens": 3}, 9, "max_completion_tokens"),
+        ({"max_completion_tokens": None, "max_tokens": 3}, 3, "max_tokens"),
+    ],
+)
+def test_chat_prefers_max_completion_tokens_and_leaves_none_to_the_server(
+    fields: dict[str, object], requested: int | None, param: str
+) -> None:
+    r = parse_generation("chat", body(messages=CHAT, **fields))
+    assert (r.max_tokens, r.requested_max_tokens, r.max_tokens_param) == (
+        requested,
+        requested,
+        param,
+    )
+
+
+def test_responses_and_messages_defaults() -> None:
+    # Responses: max_output_tokens None -> the generation config's default (get_max_tokens)
+    for raw in (body(input="x"), body(input="x", max_output_tokens=None)):
+        r = parse_generation("responses", raw)
+        assert (r.requested_max_tokens, r.max_tokens_param) == (None, "max_output_tokens")
+    # Anthropic messages: max_tokens is required and positive
+    assert parse_generation("messages", body(messages=CHAT, max_tokens=3)).requested_max_tokens == 3
+    with pytest.raises(BadRequest, match="required"):
+        parse_generation("messages", body(messages=CHAT, max_tokens=None))

@@ -2,7 +2,9 @@
 
 :func:`discover` reads ``/v1/models`` (served model, context length), the cache config in a
 scrape of ``/metrics`` (block size, pool, cache dtype, prefix caching) and, when vLLM's model
-directory is readable, the model's ``config.json`` for the exact KV geometry. The result is an
+directory is readable, the model's ``config.json`` for the exact KV geometry and its
+``generation_config.json`` for the default ``max_tokens`` (:func:`generation_config_max_tokens`;
+``--default-max-tokens`` and ``--max-tokens-cap`` say what the directory cannot). The result is an
 :class:`EngineConfig` that the app swaps in with one assignment, as the scraper swaps snapshots;
 nothing edits it in place (a new pool size is a new value, :meth:`EngineConfig.with_snapshot`).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,11 @@ class EngineConfig:
     bytes_per_block: int | None  # None: unknown (no model config and no KV memory figure)
     tokenizer_path: Path | None = None
     model_dir: Path | None = None
+    #: vLLM's default max_tokens for a chat or Responses request that names none (the
+    #: generation config's ``max_new_tokens``); None: the rest of the context
+    default_max_tokens: int | None = None
+    #: vLLM's ``override_max_tokens``: caps every request, even one naming its own max_tokens
+    max_tokens_cap: int | None = None
 
     def with_snapshot(self, snap: EngineSnapshot) -> EngineConfig:
         """This config with the pool a newer scrape reports (a new value, or ``self``)."""
@@ -59,8 +67,15 @@ async def discover(
     max_model_len: int | None = None,
     model_config_path: Path | None = None,
     tokenizer: Path | None = None,
+    default_max_tokens: int | None = None,
+    max_tokens_cap: int | None = None,
 ) -> EngineConfig:
-    """Ask vLLM what it serves; raise LookupError (or an httpx error) while it cannot say."""
+    """Ask vLLM what it serves; raise LookupError (or an httpx error) while it cannot say.
+
+    ``default_max_tokens`` and ``max_tokens_cap`` are the operator's word on vLLM's generation
+    config (``--default-max-tokens``, ``--max-tokens-cap``); a given default wins over the model
+    directory's ``generation_config.json`` (0: vLLM has none, whatever the file says).
+    """
     resp = await client.get(upstream + "/v1/models")
     resp.raise_for_status()
     models = resp.json().get("data") or []
@@ -104,6 +119,9 @@ async def discover(
         )
         blocks = UniformBlocks(snap.block_size, bytes_per_block)
 
+    default, source = _default_max_tokens(default_max_tokens, model_dir)
+    _log_max_tokens_defaults(default, source, max_tokens_cap)
+
     if tokenizer is None and model_dir is not None:
         directory = model_dir if model_dir.is_dir() else model_dir.parent
         if any((directory / name).exists() for name in _TOKENIZER_FILES):
@@ -119,6 +137,98 @@ async def discover(
         bytes_per_block=bytes_per_block,
         tokenizer_path=tokenizer,
         model_dir=model_dir if geometry is not None else None,
+        default_max_tokens=default,
+        max_tokens_cap=max_tokens_cap,
+    )
+
+
+#: Where ``transformers``' ``GenerationConfig.from_model_config`` looks for generation
+#: attributes a model config leaves unset (``PreTrainedConfig.get_text_config(decoder=True)``).
+_DECODER_CONFIGS = ("decoder", "generator", "text_config")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def _positive_int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not value.is_integer():
+        return None
+    return int(value) if value > 0 else None
+
+
+def generation_config_max_tokens(model_dir: Path) -> tuple[int | None, Path | None]:
+    """The default ``max_tokens`` vLLM 0.32 takes from a local model directory, and its file.
+
+    As vLLM's ``--generation-config auto`` (the default) reads it: ``try_get_generation_config``
+    loads ``generation_config.json`` (``GenerationConfig.from_pretrained``); when that file is
+    missing or not valid JSON, it builds one from ``config.json``
+    (``GenerationConfig.from_model_config``: a top-level ``max_new_tokens``, else the decoder's).
+    ``get_diff_sampling_param`` then keeps ``max_new_tokens`` when it is set (not null) as the
+    default ``max_tokens``; ``max_length`` does not count. ``model_dir`` may name the
+    ``config.json`` itself. ``(None, None)``: no default, or nothing readable.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     _ = (Path(d) / "config.json").write_text('{"max_new_tokens": 9}')
+    ...     _ = (Path(d) / "generation_config.json").write_text('{"max_new_tokens": 256}')
+    ...     value, source = generation_config_max_tokens(Path(d))
+    >>> value, source.name
+    (256, 'generation_config.json')
+    """
+    directory = model_dir if model_dir.is_dir() else model_dir.parent
+    generation = _read_json(directory / "generation_config.json")
+    if isinstance(generation, dict):
+        value = _positive_int(generation.get("max_new_tokens"))
+        return (value, directory / "generation_config.json") if value else (None, None)
+    config = _read_json(directory / "config.json")
+    if not isinstance(config, dict):
+        return None, None
+    value = _positive_int(config.get("max_new_tokens"))
+    if value is None:
+        decoder = next(
+            (config[k] for k in _DECODER_CONFIGS if isinstance(config.get(k), dict)), None
+        )
+        if decoder is not None:
+            value = _positive_int(decoder.get("max_new_tokens"))
+    return (value, directory / "config.json") if value else (None, None)
+
+
+def _default_max_tokens(flag: int | None, model_dir: Path | None) -> tuple[int | None, str]:
+    """The default max_tokens in force and where it comes from (for the log)."""
+    if flag is not None:
+        return (flag or None), "--default-max-tokens"
+    if model_dir is None:
+        return None, (
+            "vLLM's model directory is not readable here: set --default-max-tokens if its "
+            "generation config sets max_new_tokens"
+        )
+    with contextlib.suppress(OSError):
+        value, source = generation_config_max_tokens(model_dir)
+        if value is not None:
+            return value, f"max_new_tokens in {source}"
+    return None, f"no max_new_tokens in {model_dir}"
+
+
+def _log_max_tokens_defaults(default: int | None, source: str, cap: int | None) -> None:
+    if cap is not None and (default is None or cap < default):
+        said = f"{cap} (--max-tokens-cap; {source})"
+    elif default is not None:
+        said = f"{default} ({source})"
+    else:
+        said = f"the rest of the context ({source})"
+    completions = 16 if cap is None else min(16, cap)
+    capped = "" if cap is None else f"; every request capped at {cap} (--max-tokens-cap)"
+    log.info(
+        "max_tokens: chat and responses requests without one get %s, completions %d%s",
+        said,
+        completions,
+        capped,
     )
 
 

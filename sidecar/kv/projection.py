@@ -1,13 +1,22 @@
 """KV projection: the tokens, blocks and bytes a request can reach, clamped as vLLM clamps.
 
-Pure functions. ``max_tokens`` absent means the rest of the context; a request for more output
-than ``max_model_len`` or a prompt longer than it gets vLLM's own 400 message, without a round trip.
+Pure functions. The effective ``max_tokens`` follows vLLM's ``get_max_tokens``
+(``entrypoints/serve/utils/api_utils.py``): the smallest of the rest of the context, the request's
+own value (else the generation config's default), and the server-wide cap (vLLM's
+``override_max_tokens``). A request for more output than ``max_model_len`` or a prompt longer
+than it gets vLLM's own 400 message, without a round trip.
 
 >>> from sidecar.kv.geometry import UniformBlocks
 >>> p = project_counts((449,), requested_max_tokens=600, n=1, max_model_len=1024,
 ...                    blocks=UniformBlocks(128))
 >>> p.max_tokens, p.peak_blocks
 ((575,), 8)
+>>> project_counts((100,), requested_max_tokens=None, n=1, max_model_len=1024,
+...                blocks=UniformBlocks(128), default_max_tokens=256).max_tokens
+(256,)
+>>> project_counts((100,), requested_max_tokens=600, n=1, max_model_len=1024,
+...                blocks=UniformBlocks(128), max_tokens_cap=64).max_tokens
+(64,)
 """
 
 from __future__ import annotations
@@ -70,6 +79,8 @@ def project_counts(
     blocks: BlockMath,
     max_tokens_param: str = "max_tokens",
     exact: bool = True,
+    default_max_tokens: int | None = None,
+    max_tokens_cap: int | None = None,
 ) -> Projection:
     """Project a request from its prompt token counts, or raise vLLM's 400 as BadRequest.
 
@@ -77,6 +88,16 @@ def project_counts(
     ``truncate_prompt_tokens`` (``sidecar.counting.plan.Truncation``, the only place it is
     interpreted). With ``exact=False`` the counts are upper bounds: they are capped at the context
     instead of refused, since only vLLM can tell whether the prompt really is too long.
+
+    ``requested_max_tokens`` is what vLLM's request object holds once validated (the client's
+    value, or the endpoint's own default such as 16 for ``/v1/completions``); None: the request
+    leaves it to the server. Then, as in vLLM's ``get_max_tokens``, each sequence may generate
+    ``min(max_model_len - prompt, requested_max_tokens, max_tokens_cap)``, where
+    ``default_max_tokens`` (the generation config's ``max_new_tokens``) stands in for a None
+    ``requested_max_tokens`` and None terms are left out. ``max_tokens_cap`` is vLLM's
+    ``override_max_tokens``: it caps every request, even one that names its own ``max_tokens``.
+    Only ``requested_max_tokens`` is checked against ``max_model_len`` (vLLM's
+    ``TokenizeParams`` checks the request's own value, never the defaults).
     """
     if requested_max_tokens is not None and requested_max_tokens > max_model_len:
         # vLLM: renderers/params.py TokenizeParams.__post_init__
@@ -86,6 +107,7 @@ def project_counts(
             param=max_tokens_param,
             code="max_tokens_too_large",
         )
+    fallback = requested_max_tokens if requested_max_tokens is not None else default_max_tokens
     counts: list[int] = []
     effective: list[int] = []
     for count in prompt_tokens:
@@ -100,9 +122,9 @@ def project_counts(
                 param="input_tokens",
                 code="context_length_exceeded",
             )
-        room = max_model_len - count
         # vLLM: entrypoints/serve/utils/api_utils.get_max_tokens
-        effective.append(room if requested_max_tokens is None else min(room, requested_max_tokens))
+        limits = (max_model_len - count, fallback, max_tokens_cap)
+        effective.append(min(v for v in limits if v is not None))
         counts.append(count)
     prompt_blocks = n * sum(blocks.blocks_for_tokens(c) for c in counts)
     peak_blocks = n * sum(
