@@ -343,6 +343,8 @@ class Sidecar:
             max_model_len=settings.max_model_len,
             model_config_path=settings.model_config_path,
             tokenizer=settings.tokenizer,
+            default_max_tokens=settings.default_max_tokens,
+            max_tokens_cap=settings.max_tokens_cap,
         )
         counter = PromptCounter(
             client=self.own_client,
@@ -351,11 +353,15 @@ class Sidecar:
             tokenizer_path=config.tokenizer_path,
             max_model_len=config.max_model_len,
             observer=self.metrics,
+            # full prompt blocks are hashed for the ledger to count shared prefixes once
+            block_size=config.block_size if config.prefix_caching is not False else None,
         )
         # Not ready until the tokenizer has loaded (or failed to): the load holds the GIL in long
         # stretches, and requests admitted meanwhile would stall seconds behind it.
         local = await counter.wait_ready()
         self.admission.ledger.blocks = config.blocks
+        # vLLM's prefix caching (on unless its cache config says off) holds shared blocks once
+        self.admission.ledger.share_prefixes = config.prefix_caching is not False
         self.engine = Engine(config=config, counter=counter)
         self.admission.on_snapshot(snap)
         log.info(

@@ -1,16 +1,21 @@
-"""The ledger and the admission decision: budget, queue, FIFO, timeouts, Retry-After, learning."""
+"""The ledger and the admission decision: future peak, shared prefixes, budget, queue, FIFO,
+timeouts, Retry-After, learned lengths."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from sidecar.admission.controller import AdmissionController, CompletionLearner
+from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Outcome
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
+from sidecar.kv.prefix import block_hashes
 from sidecar.kv.projection import Projection, project_counts
 
 BLOCKS = UniformBlocks(128)
@@ -66,7 +71,7 @@ def test_ledger_tracks_predicted_and_reserved() -> None:
     clock = Clock()
     ledger = Ledger(BLOCKS, clock=clock)
     p = proj()  # 271 + 700 tokens -> 3 prompt blocks, 8 at peak
-    r = ledger.reserve(p, reserved_blocks=p.peak_blocks, streamed=True)
+    r = ledger.reserve(p, streamed=True)
     # admitted, not yet in vLLM: promised but not held
     assert (ledger.reserved_blocks, ledger.predicted_blocks, ledger.peak_blocks) == (8, 0, 8)
     ledger.start(r)
@@ -85,10 +90,13 @@ def test_ledger_tracks_predicted_and_reserved() -> None:
 def test_expected_reservation_grows_when_the_answer_runs_long() -> None:
     ledger = Ledger(BLOCKS)
     p = proj()
-    r = ledger.reserve(p, reserved_blocks=4, streamed=True)
+    r = ledger.reserve(p, ends=(100,), streamed=True)  # 371 tokens: 3 blocks reserved
+    assert r.reserved_blocks == 3
     ledger.start(r)
-    ledger.advance(r, 650)  # 921 tokens -> 8 blocks > 4 reserved
+    ledger.advance(r, 650)  # 921 tokens -> 8 blocks > 3 reserved
     assert r.reserved_blocks == 8 and ledger.reserved_blocks == 8
+    # past its expected end it is expected to run to twice what it has, up to max_tokens
+    assert r.end(0) == 700
 
 
 def test_worst_case_admits_until_the_budget_then_rejects() -> None:
@@ -99,7 +107,91 @@ def test_worst_case_admits_until_the_budget_then_rejects() -> None:
     refused = admitted[-1]
     assert refused is not None and refused.reason == "kv_cache_full"
     assert refused.retry_after is not None and 1 <= refused.retry_after <= 60
-    assert ac.ledger.reserved_blocks == 56
+    # none has started: each may start at any moment and is counted at its peak
+    assert ac.ledger.reserved_blocks == 56 == ac.future_peak_blocks()
+
+
+def test_future_peak_admits_what_the_sum_of_peaks_would_queue() -> None:
+    """Long answers at different stages never all peak at once: the oldest ends first."""
+    clock = Clock()
+    ac = controller(clock, policy="reject")
+    running = [ac.try_admit(proj(prompt=100, max_tokens=900), streamed=True) for _ in range(7)]
+    for k, d in enumerate(running):  # started 100 tokens apart: 600, 500, ... 0 generated
+        assert d is not None and d.reservation is not None
+        ac.started(d.reservation)
+        ac.progressed(d.reservation, 600 - 100 * k)
+    assert ac.ledger.reserved_blocks == 7 * 8  # the sum of peaks: full
+    assert ac.future_peak_blocks() < 63
+    d = ac.try_admit(proj(prompt=100, max_tokens=900), streamed=True)
+    assert d is not None and d.admitted
+    # and what was admitted keeps to the budget whatever happens next
+    assert ac.future_peak_blocks() <= ac.budget_blocks()  # type: ignore[operator]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 600), st.integers(1, 700), st.integers(0, 40), st.integers(1, 2)),
+        min_size=1,
+        max_size=25,
+    )
+)
+def test_worst_case_mode_never_exceeds_the_budget_in_a_simulation(
+    arrivals: list[tuple[int, int, int, int]],
+) -> None:
+    """Requests arrive over time; vLLM runs every admitted one a token per step to max_tokens.
+    Whatever worst-case admission lets in never holds more blocks than the budget."""
+    clock = Clock()
+    ac = controller(clock, policy="reject")
+    budget = ac.budget_blocks()
+    assert budget is not None
+    running: list[tuple[object, int]] = []  # (reservation, max_tokens)
+    pending = sorted(arrivals, key=lambda a: a[2])
+    step = 0
+    while pending or running:
+        while pending and pending[0][2] <= step:
+            prompt, max_tokens, _, n = pending.pop(0)
+            d = ac.try_admit(proj(prompt=prompt, max_tokens=max_tokens, n=n), streamed=True)
+            if d is not None and d.admitted and d.reservation is not None:
+                ac.started(d.reservation)
+                running.append((d.reservation, d.reservation.projection.max_tokens[0]))
+        held = sum(r.projection.blocks_at(int(r.generated), BLOCKS) for r, _ in running)  # type: ignore[attr-defined]
+        assert held <= budget
+        for res, end in list(running):
+            if res.generated >= end:  # type: ignore[attr-defined]
+                ac.release(res)  # type: ignore[arg-type]
+                running.remove((res, end))
+            else:
+                ac.progressed(res, res.generated + 1)  # type: ignore[arg-type, attr-defined]
+        step += 1
+
+
+def test_shared_prompt_blocks_are_counted_once() -> None:
+    clock = Clock()
+    ac = controller(clock, policy="reject")
+    system = block_hashes(list(range(640)), block_size=128)  # a 5-block shared prefix
+    p = proj(prompt=700, max_tokens=300)  # 6 prompt blocks, 8 at peak
+    alone = [ac.try_admit(p, streamed=True) for _ in range(8)]
+    assert sum(1 for d in alone if d and d.admitted) == 7  # 7 x 8 <= 63
+    shared = controller(clock, policy="reject")
+    together = [shared.try_admit(p, streamed=True, prefix=(system,)) for _ in range(25)]
+    # the first holds 8 blocks, each other 8 - 5 = 3: 8 + 3 x 18 <= 63
+    assert sum(1 for d in together if d and d.admitted) == 1 + (63 - 8) // 3
+    first = together[0]
+    assert first is not None and first.reservation is not None
+    shared.started(first.reservation)
+    shared.started(together[1].reservation)  # type: ignore[union-attr, arg-type]
+    assert shared.ledger.shared_blocks_now() == 5
+
+
+def test_n_sequences_share_their_prompt_blocks() -> None:
+    clock = Clock()
+    ac = controller(clock, policy="reject")
+    prompt = block_hashes(list(range(512)), block_size=128)  # 4 full blocks
+    d = ac.try_admit(proj(prompt=512, max_tokens=100, n=4), streamed=True, prefix=(prompt,))
+    assert d is not None and d.admitted
+    # 4 sequences of 5 blocks, the 4 prompt blocks held once: 5 + 3 x 1
+    assert ac.future_peak_blocks() == 8
 
 
 def test_headroom_and_external_usage_shrink_the_budget() -> None:
@@ -112,7 +204,7 @@ def test_headroom_and_external_usage_shrink_the_budget() -> None:
     assert (
         sum(1 for _ in range(5) if (d := ac.try_admit(proj(), streamed=True)) and d.admitted) == 3
     )
-    # traffic that bypasses the sidecar: vLLM holds 40 blocks, the ledger predicts 9
+    # traffic that bypasses the sidecar: vLLM holds 40 blocks, the ledger none
     ac2 = controller(clock, policy="reject")
     ac2.on_snapshot(snapshot(clock, used=40))
     assert ac2.committed_blocks() >= 40
@@ -179,7 +271,8 @@ async def test_queue_timeout_full_and_disconnect() -> None:
     assert d.outcome is Outcome.CANCEL and ac.queue_depth == 0
 
 
-def test_retry_after_follows_the_release_rate() -> None:
+def test_retry_after_falls_back_to_the_release_rate() -> None:
+    """Before vLLM has generated anything there is no step time: the recent release rate."""
     clock = Clock()
     ac = controller(clock, policy="reject")
     decisions = [ac.try_admit(proj(), streamed=True) for _ in range(7)]
@@ -192,12 +285,37 @@ def test_retry_after_follows_the_release_rate() -> None:
         ac.try_admit(proj(), streamed=True)
     refused = ac.try_admit(proj(), streamed=True)
     assert refused is not None and refused.reason == "kv_cache_full"
-    # 56 committed + 8 needed - 63 budget = 1 block short, at 32 blocks / 6 s
+    # 56 committed + 8 needed - 63 budget = 1 block short, at 32 blocks / 6 s: the 1 s floor
     assert refused.retry_after == pytest.approx(1.0)
-    # 40 blocks short at 32 / 6 s -> 7.5 s
-    assert ac.retry_after(47) == pytest.approx(40 / (32 / 6))
     clock.now += 100  # nothing released lately: half the smoothed hold time (EWMA of 2, 4, 6, 8 s)
-    assert ac.retry_after(8) == pytest.approx(4.096 / 2)
+    again = ac.try_admit(proj(), streamed=True)
+    assert again is not None and again.retry_after == pytest.approx(4.096 / 2)
+
+
+def test_retry_after_is_when_the_trajectories_make_room_and_spreads_a_burst() -> None:
+    clock = Clock()
+    ac = controller(clock, policy="reject")
+    ac.on_snapshot(snapshot(clock, generated=0, running=1))
+    running = [ac.try_admit(proj(prompt=100, max_tokens=924), streamed=True) for _ in range(7)]
+    for d in running:  # 7 blocks each now, 8 at their end in 224 steps
+        assert d is not None and d.reservation is not None
+        ac.started(d.reservation)
+        ac.progressed(d.reservation, 700)
+    clock.now += 1.0
+    ac.on_snapshot(snapshot(clock, generated=7 * 50, running=7))  # 50 steps a second
+    assert ac.engine.seconds_per_step == pytest.approx(0.02)
+    big = proj(prompt=900, max_tokens=124, n=4)  # 32 blocks from its prefill: two never fit
+    first = ac.try_admit(big, streamed=True)
+    assert first is not None and first.reason == "kv_cache_full"
+    # when the seven have ended, a little later: 10% and a quarter of a second
+    assert first.retry_after == pytest.approx(224 * 0.02 * 1.1 + 0.25)
+    second = ac.try_admit(big, streamed=True)
+    assert second is not None and second.retry_after is not None
+    # the first refused one is booked from then on: the next comes back when it has ended
+    # (the first was booked at its Retry-After, 259 steps from now, and runs 124 steps)
+    slot = round(first.retry_after / 0.02)
+    assert second.retry_after == pytest.approx((slot + 124) * 0.02 * 1.1 + 0.25)
+    assert ac.retry.bookings == 2
 
 
 def test_stale_metrics_open_and_closed() -> None:
@@ -223,75 +341,89 @@ def test_non_streamed_progress_is_estimated_from_vllm_counters() -> None:
     ac.on_snapshot(snapshot(clock, generated=1000, running=2))
     d = ac.try_admit(proj(), streamed=False)
     assert d is not None and d.reservation is not None
-    ac.ledger.start(d.reservation)  # the proxy starts non-streamed requests as it forwards them
+    ac.started(d.reservation)  # the proxy starts non-streamed requests as it forwards them
+    clock.now += 1
     ac.on_snapshot(snapshot(clock, generated=1600, running=2))  # 300 tokens per sequence
     assert d.reservation.generated == 300
     assert ac.ledger.predicted_blocks == 5  # ceil(571 / 128)
+    # one that started half-way through the next interval gets half of its share
+    late = ac.try_admit(proj(), streamed=True)
+    assert late is not None and late.reservation is not None
+    clock.now += 0.5
+    ac.started(late.reservation)
+    clock.now += 0.5
+    ac.on_snapshot(snapshot(clock, generated=2000, running=2))  # 200 tokens per sequence
+    assert d.reservation.generated == 500
+    assert late.reservation.generated == 100
+    # a streamed answer's events win when they show more (vLLM's counter lags a little)
+    ac.progressed(late.reservation, 150)
+    assert late.reservation.generated == 150
 
 
-def test_learner_quantile_boost_and_expected_need() -> None:
+def test_expected_mode_reserves_the_learned_length_per_class() -> None:
     clock = Clock()
-    learner = CompletionLearner(0.9, min_samples=10, boost_half_life=60, clock=clock)
-    assert learner.ratio() == 1.0
-    for i in range(100):
-        learner.observe(i, 100)  # ratios 0.00 .. 0.99
-    assert learner.ratio() == pytest.approx(0.90)
-    learner.tighten()
-    assert learner.ratio() == pytest.approx(1.0)
-    clock.now += 600
-    assert learner.ratio() == pytest.approx(0.90, abs=0.01)
-
-    ac = controller(clock, reservation="expected", expected_quantile=0.5)
-    for _ in range(30):
-        ac.learner.observe(70, 700)
-    assert ac.need_blocks(proj()) == 3  # 271 + 70 tokens -> 3 blocks instead of 8
+    ac = controller(clock, reservation="expected")
+    assert ac.ends(proj(), "chat:1024") == (700,)  # no answers yet: the prior, all of max_tokens
+    for _ in range(ac.learner.min_samples):
+        ac.learner.observe("chat:1024", 70)
+    assert ac.ends(proj(), "chat:1024") == (70,)
+    assert ac.ends(proj(), "completions:1024") == (700,)  # another class learns on its own
     ac.on_snapshot(snapshot(clock, preemptions=1))
     ac.on_snapshot(snapshot(clock, preemptions=3))
     assert ac.preemptions_seen == 3
-    assert ac.need_blocks(proj()) > 3  # tightened after vLLM preempted
+    assert ac.ends(proj(), "chat:1024")[0] > 70  # tightened after vLLM preempted
 
 
-def test_learner_starts_from_its_prior_until_enough_answers() -> None:
-    learner = CompletionLearner(0.9, min_samples=5, prior=0.4)
-    assert learner.ratio() == 0.4
-    for _ in range(4):
-        learner.observe(90, 100)
-    assert learner.ratio() == 0.4  # 4 answers are not evidence yet
-    learner.observe(90, 100)
-    assert learner.ratio() == pytest.approx(0.9)
-    with pytest.raises(ValueError, match="prior"):
-        CompletionLearner(prior=0.0)
-
+def test_expected_mode_starts_from_its_prior() -> None:
     clock = Clock()
-    ac = controller(clock, reservation="expected", expected_prior=0.1)
-    assert ac.need_blocks(proj()) == 3  # 271 + 70 tokens: the prior, before any answer
-    assert controller(clock, reservation="expected").need_blocks(proj()) == 8  # default: all
+    assert controller(clock, reservation="expected", expected_prior=0.1).ends(proj()) == (70,)
+    assert controller(clock, reservation="expected").ends(proj()) == (700,)  # default: all
+    assert controller(clock).ends(proj()) == (700,)  # worst case: always max_tokens
 
 
-async def test_a_queued_request_is_sized_by_the_learned_ratio_when_it_starts() -> None:
-    """The ratio can drop while a request waits: it is reserved at what it says then."""
+async def test_a_queued_request_is_sized_by_the_learned_length_when_it_starts() -> None:
+    """The learned length can drop while a request waits: it is reserved at what it says then."""
     clock = Clock()
     ac = controller(clock, policy="queue", reservation="expected", max_queue_wait=5)
     running = [ac.try_admit(proj(prompt=500, max_tokens=500), streamed=True) for _ in range(7)]
-    assert all(d and d.admitted for d in running)  # 7 x 8 = 56 of 63 blocks, worst-case ratio
-    waiter = asyncio.create_task(ac.wait(proj(), streamed=True))  # 8 blocks at ratio 1.0
+    assert all(d and d.admitted for d in running)  # 7 x 8 = 56 of 63 blocks, on the prior
+    waiter = asyncio.create_task(ac.wait(proj(), streamed=True))  # 8 blocks on the prior
     await asyncio.sleep(0)
     assert ac.queue_depth == 1
-    for _ in range(20):
-        ac.learner.observe(50, 500)  # answers use a tenth of max_tokens
+    for _ in range(ac.learner.min_samples):
+        ac.learner.observe("", 50)  # answers use a tenth of max_tokens
     ac.pump()
     decision = await asyncio.wait_for(waiter, 1)
     assert decision.admitted and decision.reservation is not None
-    assert decision.reservation.reserved_blocks == 3  # 271 + 70 tokens, not 8 blocks
+    assert decision.reservation.reserved_blocks == 3  # 271 + 50 tokens, not 8 blocks
 
 
 def test_an_estimate_never_makes_a_request_unrunnable() -> None:
     clock = Clock()
-    ac = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.9)
+    ac = AdmissionController(
+        Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.9, policy="reject"
+    )
     ac.on_snapshot(snapshot(clock))  # budget 6 blocks
     estimated = project_counts(
         (900,), requested_max_tokens=100, n=1, max_model_len=1024, blocks=BLOCKS, exact=False
     )
     d = ac.try_admit(estimated, streamed=True)
-    assert d is not None and d.admitted and d.reservation is not None
-    assert d.reservation.reserved_blocks == 6  # the whole budget, not 8
+    assert d is not None and d.admitted  # 8 blocks by the estimate: it runs alone
+    d2 = ac.try_admit(estimated, streamed=True)
+    assert d2 is not None and not d2.admitted
+
+
+def test_the_step_time_is_vllms_inter_token_latency() -> None:
+    clock = Clock()
+    ac = controller(clock)
+    first = dataclasses.replace(
+        snapshot(clock), inter_token_latency_sum=10.0, inter_token_latency_count=1000
+    )
+    ac.on_snapshot(first)
+    assert ac.engine.seconds_per_step == pytest.approx(0.01)  # the mean since vLLM started
+    clock.now += 1
+    later = dataclasses.replace(
+        snapshot(clock), inter_token_latency_sum=12.0, inter_token_latency_count=1100
+    )
+    ac.on_snapshot(later)  # 100 tokens in 2 s of latency: 0.02 s a step lately
+    assert ac.engine.seconds_per_step == pytest.approx(0.7 * 0.01 + 0.3 * 0.02)

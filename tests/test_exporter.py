@@ -12,6 +12,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.admission.controller import AdmissionController
+from sidecar.config import ReservationMode
 from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
@@ -86,9 +87,13 @@ def test_state_gauges_follow_the_ledger_and_the_engine() -> None:
     assert value("kv_sidecar_kv_predicted_used_blocks") == 11
     assert value("kv_sidecar_kv_actual_used_blocks") == 10
     assert value("kv_sidecar_kv_prediction_error_bytes") == 1 * 131_072
-    assert value("kv_sidecar_kv_headroom_blocks") == 63 - 24
-    assert value("kv_sidecar_oom_risk_ratio") == 24 / 63
-    assert value("kv_sidecar_kv_projected_usage_ratio") == 24 / 63
+    # the future peak: the first (300 generated) ends at 971 tokens, 8 blocks, while the two
+    # others hold 671 tokens, 6 blocks each: 20, less than the 24 of the sum of peaks
+    assert value("kv_sidecar_kv_future_peak_blocks") == 20
+    assert value("kv_sidecar_kv_prefix_shared_blocks") == 0
+    assert value("kv_sidecar_kv_headroom_blocks") == 63 - 20
+    assert value("kv_sidecar_oom_risk_ratio") == 20 / 63
+    assert value("kv_sidecar_kv_projected_usage_ratio") == 20 / 63
     assert value("kv_sidecar_requests_in_flight") == 3
     assert value("kv_sidecar_requests_total", decision="admit", reason="fits") == 3
     assert value("kv_sidecar_vllm_scrape_errors_total") == 3
@@ -119,6 +124,9 @@ def test_every_documented_metric_is_exported_and_nothing_else() -> None:
     registry, metrics, ac, clock = build()
     ac.on_snapshot(snapshot(clock, used=5, running=1))
     metrics.on_snapshot()
+    ac.reservation_mode = ReservationMode.EXPECTED  # the learned lengths are listed then
+    for _ in range(ac.learner.min_samples):
+        ac.learner.observe("chat:none", 100)
     text = generate_latest(registry).decode()
     exported = set()
     for family in text_string_to_metric_families(text):

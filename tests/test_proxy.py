@@ -1071,3 +1071,18 @@ async def test_echo_with_max_tokens_0_is_forwarded_and_projects_one_token(stack:
     assert projected_max_tokens(stack) == 1
     resp = await stack.client.post("/v1/completions", json={**body, "echo": False})
     assert openai_error(resp, 400, "invalid_request")["param"] == "max_tokens"
+
+
+async def test_a_non_streamed_request_runs_in_the_ledger_while_vllm_answers(
+    stack: Stack,
+) -> None:
+    """Its answer's head comes only when vLLM has finished: it must count as running (holding
+    its prompt, its progress estimated) from the moment it is sent, not from its end."""
+    stack.fake.token_delay = 0.05  # 16 tokens: 0.8 s
+    sending = asyncio.ensure_future(stack.client.post("/v1/completions", json=completion()))
+    await eventually(
+        lambda: stack.sidecar.admission.state().predicted_blocks > 0, "started in the ledger"
+    )
+    assert not sending.done()
+    assert (await sending).status_code == 200
+    await eventually(stack.ledger_empty, "released at the end")

@@ -300,3 +300,12 @@ def test_properties_never_go_out_of_range() -> None:
     assert snap.kv_cache_usage == 1.0
     assert snap.used_blocks == 10
     assert not math.isnan(snap.age(0.0))
+
+
+def test_inter_token_latency_is_read() -> None:
+    snap = parse(capture("under-load"))
+    assert snap.inter_token_latency_count == 21370.0
+    assert snap.inter_token_latency_sum == pytest.approx(102.944, abs=1e-3)
+    old = 'vllm:time_per_output_token_seconds_sum{engine="0"} 2.0\n'
+    old += 'vllm:time_per_output_token_seconds_count{engine="0"} 100.0\n'
+    assert parse(old).inter_token_latency_sum == 2.0  # the name before vLLM renamed it

@@ -59,9 +59,13 @@ _RUNNING = "num_requests_running"
 _KV_USAGE = "kv_cache_usage_perc"
 _PREEMPTIONS = "num_preemptions_total"
 _GENERATION_TOKENS = "generation_tokens_total"
+_ITL_SUM = "inter_token_latency_seconds_sum"  # vLLM's histogram of the time between tokens
+_ITL_COUNT = "inter_token_latency_seconds_count"
 
 _OLD_NAMES: dict[str, str] = {
     "gpu_cache_usage_perc": _KV_USAGE,  # vLLM V0 and early V1
+    "time_per_output_token_seconds_sum": _ITL_SUM,  # before the rename (about 0.11)
+    "time_per_output_token_seconds_count": _ITL_COUNT,
 }
 _WANTED = frozenset(
     {
@@ -70,6 +74,8 @@ _WANTED = frozenset(
         _KV_USAGE,
         _PREEMPTIONS,
         _GENERATION_TOKENS,
+        _ITL_SUM,
+        _ITL_COUNT,
         *_OLD_NAMES,
     }
 )
@@ -109,6 +115,8 @@ class EngineSnapshot:
     prefix_caching: bool | None
     kv_cache_memory_bytes: int | None  # informational: vLLM's budget, not what the blocks take
     has_cache_config: bool
+    inter_token_latency_sum: float = 0.0  # seconds between consecutive tokens of a request,
+    inter_token_latency_count: float = 0.0  # summed and counted: a decode step's duration
 
     @property
     def capacity_blocks(self) -> int | None:
@@ -193,6 +201,8 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         running=round(_total(by_name, _RUNNING)),
         preemptions_total=_total(by_name, _PREEMPTIONS),
         generation_tokens_total=_total(by_name, _GENERATION_TOKENS),
+        inter_token_latency_sum=_total(by_name, _ITL_SUM),
+        inter_token_latency_count=_total(by_name, _ITL_COUNT),
         cache_dtype=_label_str(first_config, "cache_dtype"),
         prefix_caching=_label_bool(first_config, "enable_prefix_caching"),
         kv_cache_memory_bytes=_label_int(first_config, "kv_cache_memory_bytes"),

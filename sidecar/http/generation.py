@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from sidecar.admission.decisions import Outcome, Reason
+from sidecar.admission.learner import request_class
 from sidecar.counting import GenerationRequest, counting_view, parse_generation
 from sidecar.errors import BadRequest, UpstreamError
 from sidecar.http import refusals
@@ -36,6 +37,15 @@ log = logging.getLogger(__name__)
 #: seconds a client should wait while the sidecar has not reached vLLM yet
 NOT_READY_RETRY_AFTER = 2.0
 _DROP_REQUEST_HEADERS = frozenset({b"host", b"content-length"})
+#: optional request header naming the class a request's answer length is learned in
+CLASS_HEADER = b"x-kv-sidecar-class"
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
 
 
 class GenerationPath:
@@ -91,12 +101,14 @@ class GenerationPath:
                 t1 = time.perf_counter()
                 projection = project_counts(
                     count.prompts,
-                    requested_max_tokens=request.max_tokens,
+                    requested_max_tokens=request.requested_max_tokens,
                     n=request.n,
                     max_model_len=engine.config.max_model_len,
                     blocks=engine.config.blocks,
                     max_tokens_param=request.max_tokens_param,
                     exact=count.exact,
+                    default_max_tokens=engine.config.default_max_tokens,
+                    max_tokens_cap=engine.config.max_tokens_cap,
                 )
             except BadRequest as exc:
                 too_long = exc.code == "context_length_exceeded"
@@ -104,11 +116,21 @@ class GenerationPath:
                 await respond(send, refusals.from_error(exc))
                 return
             self.metrics.projected(projection, engine.config.bytes_per_block)
-            decision = self.gate.try_admit(projection, streamed=request.stream)
+            klass = request_class(
+                endpoint, request.requested_max_tokens, _header(scope, CLASS_HEADER)
+            )
+            prefix = count.prefix
+            decision = self.gate.try_admit(
+                projection, streamed=request.stream, klass=klass, prefix=prefix
+            )
             self.metrics.decision_time(time.perf_counter() - t1)
             if decision is None:  # queue it
                 decision = await self.gate.wait(
-                    projection, streamed=request.stream, cancelled=disconnected
+                    projection,
+                    streamed=request.stream,
+                    cancelled=disconnected,
+                    klass=klass,
+                    prefix=prefix,
                 )
                 self.metrics.queue_waited(decision.waited_seconds)
             self.metrics.decided(decision)
@@ -161,6 +183,10 @@ class GenerationPath:
         url = self.relay.url(raw_path, scope["query_string"])
         # A non-streamed answer's headers come only when vLLM has finished: watch the client
         # meanwhile, and cancel (vLLM then aborts the generation) if it leaves.
+        if not request.stream:
+            # no sign of its prefill will come, and its answer's head only when vLLM has
+            # finished: it runs from now, its progress estimated from vLLM's counters
+            self.gate.started(reservation)
         sending = asyncio.ensure_future(self.relay.send("POST", url, headers, raw))
         gone = asyncio.ensure_future(disconnected.wait())
         try:
@@ -183,8 +209,6 @@ class GenerationPath:
         tracker = UsageTracker()
         sequences = max(projection.sequences, 1)
         streamed = request.stream
-        if not streamed:
-            gate.started(reservation)  # no sign of its prefill will come: count it from now
 
         def on_chunk(chunk: bytes) -> None:
             tracker.feed(chunk, sse=streamed)

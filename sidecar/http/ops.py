@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from sidecar.admission.controller import KVState
 
@@ -35,10 +35,15 @@ class Readiness(BaseModel):
 class State(BaseModel):
     """The ledger, the queue and the engine's view, in KV blocks."""
 
+    model_config = ConfigDict(extra="forbid")  # every field of KVState, none forgotten
+
     capacity_blocks: int | None
     budget_blocks: int | None
     reserved_blocks: int
+    future_peak_blocks: int
+    worst_case_peak_blocks: int
     predicted_blocks: int
+    shared_blocks: int
     actual_blocks: int | None
     external_blocks: int
     committed_blocks: int

@@ -20,16 +20,30 @@ from sidecar.admission.decisions import Decision, Reason
 from sidecar.counting import CountedEndpoint, TokenCount
 from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.ledger import Reservation
+from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
 
 
 class Gate(Protocol):
     """Admission: decide, queue, follow progress, release."""
 
-    def try_admit(self, projection: Projection, *, streamed: bool) -> Decision | None: ...
+    def try_admit(
+        self,
+        projection: Projection,
+        *,
+        streamed: bool,
+        klass: str = "",
+        prefix: tuple[BlockHashes, ...] | None = None,
+    ) -> Decision | None: ...
 
     async def wait(
-        self, projection: Projection, *, streamed: bool, cancelled: asyncio.Event | None = None
+        self,
+        projection: Projection,
+        *,
+        streamed: bool,
+        cancelled: asyncio.Event | None = None,
+        klass: str = "",
+        prefix: tuple[BlockHashes, ...] | None = None,
     ) -> Decision: ...
 
     def started(self, reservation: Reservation) -> None: ...

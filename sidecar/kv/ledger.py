@@ -1,15 +1,19 @@
-"""The reservation ledger: KV blocks promised to, and predicted for, requests in flight.
+"""The reservation ledger: the requests in flight, what each may reach and what each holds now.
 
 One ledger per process (one event loop, no locks). Every admitted request holds a
 :class:`Reservation` until its answer ends, fails or its client leaves; ``release`` is idempotent.
-Totals are kept as running sums so the admission decision reads them in O(1).
+Each reservation keeps its trajectory: prompt tokens, progress, and the output tokens reserved
+for it (its *ends*: ``max_tokens`` in worst-case mode, a learned length in expected mode).
+:meth:`Ledger.trajectories` turns them into ``sidecar.kv.trajectory`` terms, with the full prompt
+blocks that requests share (same chain hashes, ``sidecar.kv.prefix``) charged once, to the
+sequence that lives longest; admission checks the peak over the future of their sum.
 
 >>> from sidecar.kv.geometry import UniformBlocks
 >>> from sidecar.kv.projection import project_counts
 >>> blocks = UniformBlocks(128)
 >>> ledger = Ledger(blocks)
 >>> p = project_counts((200,), requested_max_tokens=100, n=1, max_model_len=1024, blocks=blocks)
->>> r = ledger.reserve(p, reserved_blocks=p.peak_blocks, streamed=True)
+>>> r = ledger.reserve(p, streamed=True)
 >>> ledger.reserved_blocks, ledger.predicted_blocks
 (3, 0)
 >>> ledger.start(r); ledger.predicted_blocks
@@ -22,12 +26,17 @@ Totals are kept as running sums so the admission decision reads them in O(1).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import BlockMath, Projection
+from sidecar.kv.trajectory import Columns
+
+_NEVER = math.inf  # the remaining steps of a sequence not started yet: it may start any time
 
 
 @dataclass(slots=True, eq=False)
@@ -36,18 +45,33 @@ class Reservation:
 
     id: int
     projection: Projection
-    reserved_blocks: int  # promised: never handed to another request while this one runs
-    predicted_blocks: int  # what vLLM should hold for it now
+    ends: tuple[int, ...]  # output tokens reserved per sequence, per prompt (<= max_tokens)
+    reserved_blocks: int  # its blocks at its reserved ends (the promise, as a sum of peaks)
+    predicted_blocks: int  # what vLLM should hold for it now (shared prompt blocks included)
     streamed: bool  # progress visible chunk by chunk (else estimated from vLLM's counters)
     admitted_at: float
+    prefix: tuple[BlockHashes, ...] | None = None  # full prompt blocks' chain hashes, per prompt
+    klass: str = ""  # the request class its answer length is learned in
     started: bool = False  # vLLM has the request (streamed: its first token arrived)
-    generated: float = 0.0  # tokens generated per sequence so far (estimated when not streamed)
+    started_at: float = 0.0
+    generated: float = 0.0  # tokens generated per sequence so far: the larger of what its
+    estimated: float = 0.0  # answer showed and its share of vLLM's generated tokens
     completion_tokens: int | None = None  # exact, when vLLM's answer reported usage
     released: bool = field(default=False)
 
     @property
     def peak_blocks(self) -> int:
         return self.projection.peak_blocks
+
+    def end(self, i: int) -> int:
+        """Output tokens prompt ``i``'s sequences may still be expected to reach: the reserved
+        end, and past it (an answer longer than expected) twice what it has, up to max_tokens."""
+        end = self.ends[i]
+        limit = self.projection.max_tokens[i]
+        done = int(self.generated)
+        if done >= end:
+            end = min(limit, max(end, 2 * done))
+        return end
 
 
 class Ledger:
@@ -57,10 +81,12 @@ class Ledger:
         self,
         blocks: BlockMath,
         *,
+        share_prefixes: bool = True,
         clock: Callable[[], float] = time.monotonic,
         rate_window_seconds: float = 30.0,
     ) -> None:
         self.blocks = blocks
+        self.share_prefixes = share_prefixes  # vLLM's prefix caching is on
         self._clock = clock
         self._next_id = 0
         self._active: dict[int, Reservation] = {}
@@ -78,26 +104,58 @@ class Ledger:
     def __iter__(self) -> Iterator[Reservation]:
         return iter(list(self._active.values()))
 
-    def reserve(
-        self, projection: Projection, *, reserved_blocks: int, streamed: bool
+    def candidate(
+        self,
+        projection: Projection,
+        *,
+        streamed: bool,
+        ends: Sequence[int] | None = None,
+        prefix: tuple[BlockHashes, ...] | None = None,
+        klass: str = "",
     ) -> Reservation:
-        """Promise blocks to an admitted request. It holds none in vLLM until :meth:`start`."""
-        self._next_id += 1
-        res = Reservation(
-            id=self._next_id,
+        """A reservation for ``projection`` that is not in the ledger (yet): what
+        :meth:`reserve` would add, for :meth:`trajectories` to weigh."""
+        reserved_ends = tuple(projection.max_tokens if ends is None else ends)
+        reserved = projection.n * sum(
+            self.blocks.blocks_for_tokens(p + e)
+            for p, e in zip(projection.prompt_tokens, reserved_ends, strict=True)
+        )
+        return Reservation(
+            id=0,
             projection=projection,
-            reserved_blocks=(
-                max(reserved_blocks, projection.prompt_blocks)
-                if projection.exact
-                else reserved_blocks
-            ),
+            ends=reserved_ends,
+            reserved_blocks=max(reserved, projection.prompt_blocks)
+            if projection.exact
+            else reserved,
             predicted_blocks=0,
             streamed=streamed,
             admitted_at=self._clock(),
+            prefix=prefix if self.share_prefixes else None,
+            klass=klass,
         )
+
+    def reserve(
+        self,
+        projection: Projection,
+        *,
+        streamed: bool,
+        ends: Sequence[int] | None = None,
+        prefix: tuple[BlockHashes, ...] | None = None,
+        klass: str = "",
+    ) -> Reservation:
+        """Promise blocks to an admitted request. It holds none in vLLM until :meth:`start`."""
+        return self.add(
+            self.candidate(projection, streamed=streamed, ends=ends, prefix=prefix, klass=klass)
+        )
+
+    def add(self, res: Reservation) -> Reservation:
+        """Enter a :meth:`candidate` into the ledger."""
+        self._next_id += 1
+        res.id = self._next_id
+        res.admitted_at = self._clock()
         self._active[res.id] = res
         self.reserved_blocks += res.reserved_blocks
-        self.peak_blocks += projection.peak_blocks
+        self.peak_blocks += res.projection.peak_blocks
         return res
 
     def start(self, res: Reservation) -> None:
@@ -105,6 +163,7 @@ class Ledger:
         if res.started or res.released:
             return
         res.started = True
+        res.started_at = self._clock()
         self._set_predicted(res, res.projection.blocks_at(int(res.generated), self.blocks))
 
     def advance(self, res: Reservation, generated_per_sequence: float) -> None:
@@ -126,7 +185,7 @@ class Ledger:
 
     def release(self, res: Reservation) -> int:
         """Give the reservation's blocks back; returns the blocks freed (0 if already released)."""
-        if res.released:
+        if res.released or res.id not in self._active:
             return 0
         res.released = True
         del self._active[res.id]
@@ -142,6 +201,71 @@ class Ledger:
         self._freed_sum += res.reserved_blocks
         self._trim(now)
         return res.reserved_blocks
+
+    # --- the future --------------------------------------------------------------------------
+
+    def trajectories(
+        self,
+        extra: Iterable[Reservation] = (),
+        *,
+        worst_case: bool = False,
+        started_only: bool = False,
+        in_flight: bool = True,
+    ) -> Columns:
+        """The in-flight requests (and ``extra`` candidates, not started) as trajectories.
+
+        ``worst_case`` takes every request to its ``max_tokens`` instead of its reserved end;
+        ``started_only`` keeps what vLLM runs now (for the prediction of what it holds);
+        ``in_flight=False`` leaves the ledger's own requests out (``extra`` alone).
+        """
+        groups: list[tuple[Reservation, int, int, int, float]] = []  # res, i, generated, end, left
+        active = self._active.values() if in_flight else ()
+        for res in (*active, *extra):
+            if started_only and not res.started:
+                continue
+            started = res.started and res.id != 0
+            done = int(res.generated) if started else 0
+            for i in range(len(res.projection.prompt_tokens)):
+                end = res.projection.max_tokens[i] if worst_case else res.end(i)
+                done_i = min(done, end)
+                groups.append((res, i, done_i, end, end - done_i if started else _NEVER))
+        owners = self._prefix_owners(groups)
+        out = Columns()
+        for k, (res, i, done, end, left) in enumerate(groups):
+            prompt = res.projection.prompt_tokens[i]
+            n = res.projection.n
+            started = left != _NEVER
+            hashes = res.prefix[i] if res.prefix is not None and owners is not None else ()
+            elsewhere = sum(1 for h in hashes if owners is not None and owners[h][1] != k)
+            if hashes and n > 1:
+                # the n sequences of one prompt share its blocks: one holds them, n - 1 do not
+                out.add(prompt, done, end, started, 1, elsewhere)
+                out.add(prompt, done, end, started, n - 1, len(hashes))
+            else:
+                out.add(prompt, done, end, started, n, elsewhere)
+        return out
+
+    def _prefix_owners(
+        self, groups: Sequence[tuple[Reservation, int, int, int, float]]
+    ) -> dict[int, tuple[float, int]] | None:
+        """For each shared block hash, the group that holds it longest (left, index)."""
+        if not self.share_prefixes or any(cap is not None for cap in self.blocks.group_caps):
+            return None  # no prefix cache, or sliding-window groups that drop old blocks
+        owners: dict[int, tuple[float, int]] = {}
+        for k, (res, i, _, _, left) in enumerate(groups):
+            if res.prefix is None:
+                continue
+            for h in res.prefix[i]:
+                seen = owners.get(h)
+                if seen is None or left > seen[0]:
+                    owners[h] = (left, k)
+        return owners
+
+    def shared_blocks_now(self) -> int:
+        """Prompt blocks of running requests that vLLM holds once for several of them."""
+        return self.trajectories(started_only=True).shared_total()
+
+    # --- rates ---------------------------------------------------------------------------------
 
     def _trim(self, now: float) -> None:
         horizon = now - self._rate_window

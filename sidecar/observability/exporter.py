@@ -266,7 +266,22 @@ class StateCollector(Collector):
 
         capacity = state.capacity_blocks
         kv("capacity", "KV cache vLLM can hand out", capacity)
-        kv("reserved", "KV promised to requests in flight", state.reserved_blocks)
+        kv(
+            "reserved",
+            "KV promised to requests in flight (the sum of their peaks)",
+            state.reserved_blocks,
+        )
+        kv(
+            "future_peak",
+            "Peak over the future of the KV the requests in flight can hold at once (what "
+            "admission checks against the budget)",
+            state.future_peak_blocks,
+        )
+        kv(
+            "prefix_shared",
+            "Prompt KV that running requests share and vLLM holds once (counted once)",
+            state.shared_blocks,
+        )
         # predicted and actual at the same instant, the last scrape of vLLM (the live ledger,
         # which counts a streamed request from its first token, is in /state)
         predicted = state.predicted_at_snapshot_blocks
@@ -302,10 +317,11 @@ class StateCollector(Collector):
             out.append(
                 GaugeMetricFamily(
                     f"{PREFIX}_oom_risk_ratio",
-                    "Projected peak KV of everything vLLM runs or will run (the sidecar's requests"
-                    " in flight at prompt + max_tokens, plus what vLLM holds for others) over "
-                    "capacity; above 1 vLLM preempts if they all run to max_tokens.",
-                    value=(state.peak_blocks_in_flight + state.external_blocks) / capacity,
+                    "Projected peak KV of everything vLLM runs or will run (the future peak of the"
+                    " sidecar's requests in flight, each running to max_tokens, plus what vLLM "
+                    "holds for others) over capacity; above 1 vLLM preempts if they all run to "
+                    "max_tokens.",
+                    value=(state.worst_case_peak_blocks + state.external_blocks) / capacity,
                 )
             )
             out.append(
@@ -338,15 +354,17 @@ class StateCollector(Collector):
                 value=state.queue_depth,
             )
         )
-        out.append(
-            GaugeMetricFamily(
-                f"{PREFIX}_expected_completion_ratio",
-                "Completion/max_tokens quantile reserved in expected mode (1 = worst case).",
-                value=self.admission.learner.ratio()
-                if self.admission.reservation_mode is ReservationMode.EXPECTED
-                else 1.0,
-            )
+        learned = GaugeMetricFamily(
+            f"{PREFIX}_expected_output_tokens",
+            "Output tokens expected mode reserves per sequence for each request class (the "
+            "learned length bound; classes still on the prior are not listed).",
+            labels=["class"],
         )
+        if self.admission.reservation_mode is ReservationMode.EXPECTED:
+            for klass, length in self.admission.learner.classes().items():
+                if length is not None:
+                    learned.add_metric([klass], length)
+        out.append(learned)
         out.append(
             GaugeMetricFamily(
                 f"{PREFIX}_vllm_metrics_age_seconds",

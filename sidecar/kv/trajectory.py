@@ -1,0 +1,314 @@
+"""Future KV demand: the peak over time of the sum of in-flight requests' trajectories.
+
+vLLM holds ``ceil((prompt + generated) / block_size)`` blocks per running sequence, every running
+sequence gains one token per decode step, and a request frees all its blocks when it ends. So
+the blocks vLLM will need are not the sum of every request's peak (that assumes all peaks come
+at once) but the peak, over future steps ``t``, of
+
+    U(t) = sum over started sequences i still running at t:  blocks(A_i + t) - D_i
+         + sum over sequences j not started yet:             blocks(P_j + min(t, E_j)) - D_j
+
+where a started sequence holds ``A_i = prompt + generated`` tokens now and runs ``R_i`` more
+steps (to its reserved end), and a sequence not started yet (admitted, waiting for vLLM's
+prefill, or the candidate itself) is taken at its worst: it may start at any moment, so at step
+``t`` it holds at most ``blocks(P + min(t, E))`` and is never counted as freed. ``D`` is the
+prompt blocks a sequence shares with a longer-lived one (a shared prefix is held once, by the
+sequence that lives longest). Between two ends every term only grows, so the peak is at one of
+the ends ``t = R_k`` or after the last (every unstarted sequence at its own peak): the check is
+exact over those points.
+
+Assumptions, and what covers them where they break: one token per step per running sequence
+(speculative decoding can run ahead: the preemption counter tightens expected mode, and the
+headroom absorbs a few tokens); progress is what the sidecar saw (a streamed answer lags vLLM by
+a chunk, a non-streamed one is estimated from vLLM's counters); chunked prefill only delays a
+start, which the unstarted bound covers.
+
+>>> from sidecar.kv.geometry import UniformBlocks
+>>> blocks = UniformBlocks(16)
+>>> old = Trajectory(prompt_tokens=64, generated=60, end=64, started=True)  # 4 steps left
+>>> new = Trajectory(prompt_tokens=64, generated=0, end=64, started=False)
+>>> sum(blocks.blocks_for_tokens(128) for _ in (old, new))  # the sum of peaks
+16
+>>> future_peak([old, new], blocks)  # 8 + 5 as the old one ends, then the new one alone
+13
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+IntArray = npt.NDArray[np.int64]
+#: started (held, left, weight, shared) and not started (prompt, end, weight, shared) columns
+Arrays = tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]
+
+
+class GroupedBlocks(Protocol):
+    """Block math as vLLM's allocator does it: per KV-cache group, ``ceil(tokens / block_size)``
+    pages, capped for a sliding-window group (``None``: no cap)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def group_caps(self) -> tuple[int | None, ...]: ...
+
+    def blocks_for_tokens(self, num_tokens: int) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """``sequences`` identical sequences of one request, as admission sees them now."""
+
+    prompt_tokens: int
+    generated: int  # tokens generated so far, per sequence
+    end: int  # output tokens reserved per sequence (max_tokens, or a learned length)
+    started: bool  # vLLM runs it: it advances one token per step from now
+    sequences: int = 1
+    shared_blocks: int = 0  # prompt blocks per sequence held by a longer-lived sequence
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.end - self.generated)
+
+
+def _blocks(tokens: IntArray, blocks: GroupedBlocks) -> IntArray:
+    """Vectorised ``blocks.blocks_for_tokens``."""
+    size = blocks.block_size
+    pages = np.where(tokens > 0, (tokens + size - 1) // size, 0)
+    total = np.zeros_like(pages)
+    for cap in blocks.group_caps:
+        total += pages if cap is None else np.minimum(pages, cap)
+    return total
+
+
+class Columns:
+    """Trajectories as columns, the form the profile computes on (appending to lists is cheaper
+    than building objects; the ledger fills one of these directly)."""
+
+    __slots__ = ("end", "held", "left", "prompt", "shared", "w_shared", "w_weight", "weight")
+
+    def __init__(self, trajectories: Iterable[Trajectory] = ()) -> None:
+        self.held: list[int] = []  # started: prompt + generated
+        self.left: list[int] = []  # started: steps to its end
+        self.weight: list[int] = []
+        self.shared: list[int] = []
+        self.prompt: list[int] = []  # not started
+        self.end: list[int] = []
+        self.w_weight: list[int] = []
+        self.w_shared: list[int] = []
+        for t in trajectories:
+            self.add(t.prompt_tokens, t.generated, t.end, t.started, t.sequences, t.shared_blocks)
+
+    def add(
+        self, prompt: int, generated: int, end: int, started: bool, sequences: int, shared: int
+    ) -> None:
+        if started:
+            self.held.append(prompt + generated)
+            self.left.append(max(0, end - generated))
+            self.weight.append(sequences)
+            self.shared.append(shared)
+        else:
+            self.prompt.append(prompt)
+            self.end.append(end)
+            self.w_weight.append(sequences)
+            self.w_shared.append(shared)
+
+    def __len__(self) -> int:
+        return len(self.held) + len(self.prompt)
+
+    def add_delayed(self, other: Columns, steps: int) -> None:
+        """``other``'s unstarted sequences as if they start ``steps`` from now: started ones
+        that are behind by that much (holding a little more than they will before they start,
+        the safe side to err on)."""
+        for prompt, end, weight, shared in zip(
+            other.prompt, other.end, other.w_weight, other.w_shared, strict=True
+        ):
+            self.held.append(max(0, prompt - steps))
+            self.left.append(end + steps)
+            self.weight.append(weight)
+            self.shared.append(shared)
+
+    def shared_total(self) -> int:
+        """Blocks held once for several sequences (the sum of weight x shared)."""
+        return sum(w * d for w, d in zip(self.weight, self.shared, strict=True)) + sum(
+            w * d for w, d in zip(self.w_weight, self.w_shared, strict=True)
+        )
+
+    def arrays(self) -> Arrays:
+        def a(values: list[int]) -> IntArray:
+            return np.array(values, dtype=np.int64)
+
+        return (
+            a(self.held),
+            a(self.left),
+            a(self.weight),
+            a(self.shared),
+            a(self.prompt),
+            a(self.end),
+            a(self.w_weight),
+            a(self.w_shared),
+        )
+
+
+def _columns(trajectories: Sequence[Trajectory] | Columns) -> Columns:
+    return trajectories if isinstance(trajectories, Columns) else Columns(trajectories)
+
+
+def demand_profile(
+    trajectories: Sequence[Trajectory] | Columns, blocks: GroupedBlocks
+) -> tuple[IntArray, IntArray]:
+    """``(steps, blocks)``: the demand ``U`` at each end of a started sequence and, last, after
+    every end (``steps`` -1 stands for "from then on"). Its maximum is :func:`future_peak`.
+
+    Full-attention geometry (every group uncapped) takes an ``O(n log n + n * block_size)``
+    path; a sliding-window group, an ``O(n^2)`` one.
+    """
+    return _profile(_columns(trajectories).arrays(), blocks)
+
+
+def _profile(arrays: Arrays, blocks: GroupedBlocks) -> tuple[IntArray, IntArray]:
+    if all(cap is None for cap in blocks.group_caps):
+        return _profile_uncapped(arrays, blocks.block_size, len(blocks.group_caps))
+    return _profile_matrix(arrays, blocks)
+
+
+def _suffix_counts(rem: IntArray, weight: IntArray, size: int) -> IntArray:
+    """``C[s, v]``: the summed weight of items ``s..`` whose remainder is at least ``v``."""
+    table = np.zeros((len(rem) + 1, size + 1), dtype=np.int64)
+    np.add.at(table, (np.arange(len(rem)), rem), weight)
+    table = np.cumsum(table[:, ::-1], axis=1)[:, ::-1]  # >= v
+    return np.cumsum(table[::-1], axis=0)[::-1]  # items s..
+
+
+def _suffix(values: IntArray) -> IntArray:
+    """``S[s]``: the sum of ``values[s:]`` (``S[len]`` is 0)."""
+    return np.append(np.cumsum(values[::-1])[::-1], 0)
+
+
+def _profile_uncapped(arrays: Arrays, size: int, groups: int) -> tuple[IntArray, IntArray]:
+    # pages(x) = ceil(x / size) = q + tq + [r + tr >= size] with a = x - t + size - 1 = q*size + r
+    # and t = tq*size + tr: summed over a suffix of sequences, three suffix sums and one table.
+    held, left, weight, shared, prompt, end, w_weight, w_shared = arrays
+    order = np.argsort(left, kind="stable")
+    held, left, weight, shared = held[order], left[order], weight[order], shared[order]
+    a = held + size - 1
+    steps = np.unique(left)
+    first = np.searchsorted(left, steps, side="left")  # the sequences still running at a step
+    tq, tr = steps // size, steps % size
+    started_part = (
+        groups
+        * (
+            _suffix(weight * (a // size))[first]
+            + tq * _suffix(weight)[first]
+            + _suffix_counts(a % size, weight, size)[first, size - tr]
+        )
+        - _suffix(weight * shared)[first]
+    )
+    w_order = np.argsort(end, kind="stable")
+    prompt, end, w_weight, w_shared = (
+        prompt[w_order],
+        end[w_order],
+        w_weight[w_order],
+        w_shared[w_order],
+    )
+    peak = np.where(prompt + end > 0, (prompt + end + size - 1) // size, 0) * groups * w_weight
+    at_peak = np.append(0, np.cumsum(peak))  # items before j are at their end
+    b = prompt + size - 1
+    growing = np.searchsorted(end, steps, side="right")  # those with end > step still grow
+    waiting_part = (
+        at_peak[growing]
+        + groups
+        * (
+            _suffix(w_weight * (b // size))[growing]
+            + tq * _suffix(w_weight)[growing]
+            + _suffix_counts(b % size, w_weight, size)[growing, size - tr]
+        )
+        - int((w_weight * w_shared).sum())
+    )
+    after = int(peak.sum() - (w_weight * w_shared).sum())
+    return (
+        np.append(steps, -1).astype(np.int64),
+        np.append(started_part + waiting_part, after).astype(np.int64),
+    )
+
+
+def _profile_matrix(arrays: Arrays, blocks: GroupedBlocks) -> tuple[IntArray, IntArray]:
+    held, left, weight, shared, prompt, end, w_weight, w_shared = arrays
+    steps = np.unique(left)  # sorted
+    # started sequences still running at each step (left >= step), at their size then
+    grid_tokens = held[None, :] + steps[:, None]
+    alive = left[None, :] >= steps[:, None]
+    started_part = (
+        np.where(alive, (_blocks(grid_tokens, blocks) - shared[None, :]) * weight[None, :], 0)
+        .sum(axis=1)
+        .astype(np.int64)
+    )
+    waiting_tokens = prompt[None, :] + np.minimum(steps[:, None], end[None, :])
+    waiting_part = (
+        ((_blocks(waiting_tokens, blocks) - w_shared[None, :]) * w_weight[None, :])
+        .sum(axis=1)
+        .astype(np.int64)
+    )
+    after = int(((_blocks(prompt + end, blocks) - w_shared) * w_weight).sum())
+    return (
+        np.append(steps, -1).astype(np.int64),
+        np.append(started_part + waiting_part, after).astype(np.int64),
+    )
+
+
+def future_peak(trajectories: Sequence[Trajectory] | Columns, blocks: GroupedBlocks) -> int:
+    """The most blocks the trajectories can hold at once, now or at any future step."""
+    if not trajectories:
+        return 0
+    return int(demand_profile(trajectories, blocks)[1].max())
+
+
+#: most start times :func:`steps_until_fits` tries (spread over the ends): it answers a hint
+MAX_TRIED_STARTS = 48
+
+
+def steps_until_fits(
+    trajectories: Sequence[Trajectory] | Columns,
+    candidate: Sequence[Trajectory] | Columns,
+    budget_blocks: int,
+    blocks: GroupedBlocks,
+) -> int | None:
+    """Decode steps until ``candidate`` (unstarted) fits under ``budget_blocks`` beside the
+    others, if it were admitted then: 0 if it fits now, None if it never fits (not even alone).
+
+    The candidate is tried at ends of started sequences (all of them, or at most
+    ``MAX_TRIED_STARTS`` spread over them, always with the last): the others' demand from then
+    on plus the candidate's worst case must stay within the budget.
+    """
+    own = _columns(candidate).arrays()
+    if int(_profile(own, blocks)[1].max(initial=0)) > budget_blocks:
+        return None
+    held, left, weight, shared, prompt, end, w_weight, w_shared = _columns(trajectories).arrays()
+    _, _, _, _, c_prompt, c_end, c_weight, c_shared = own
+    waiting = (
+        np.concatenate([prompt, c_prompt]),
+        np.concatenate([end, c_end]),
+        np.concatenate([w_weight, c_weight]),
+        np.concatenate([w_shared, c_shared]),
+    )
+    starts = np.unique(np.append(left, 0))
+    if len(starts) > MAX_TRIED_STARTS:
+        picks = np.linspace(0, len(starts) - 1, MAX_TRIED_STARTS).round().astype(np.int64)
+        starts = starts[np.unique(picks)]
+    for step in starts.tolist():
+        keep = left > step
+        moved: Arrays = (
+            held[keep] + step,
+            left[keep] - step,
+            weight[keep],
+            shared[keep],
+            *waiting,
+        )
+        if int(_profile(moved, blocks)[1].max(initial=0)) <= budget_blocks:
+            return int(step)
+    return None  # only the unstarted ones ahead of it stand in the way: unknown
