@@ -4,7 +4,7 @@ Every field is a flag (``--max-queue-wait``) and an env var (``KV_SIDECAR_MAX_QU
 flags win over env vars, env vars over defaults. Field docstrings are the ``--help`` text.
 
 >>> Settings(_cli_parse_args=["--policy", "reject"]).policy
-<Policy.REJECT: 'reject'>
+<Policy.reject: 'reject'>
 """
 
 from __future__ import annotations
@@ -20,30 +20,31 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Policy(StrEnum):
     """What happens to a request that does not fit now."""
 
-    REJECT = "reject"  # 429 at once
-    QUEUE = "queue"  # wait for room, up to --max-queue-wait
-    OBSERVE = "observe"  # forward anyway and measure: a dry run
+    # lower case, as the CLI shows the names (kebab-cased): --policy {reject,queue,observe}
+    reject = "reject"  # 429 at once
+    queue = "queue"  # wait for room, up to --max-queue-wait
+    observe = "observe"  # forward anyway and measure: a dry run
 
 
 class ReservationMode(StrEnum):
     """How many output tokens a request is promised."""
 
-    WORST_CASE = "worst-case"  # max_tokens: no preemption possible
-    EXPECTED = "expected"  # a learned quantile of real completion lengths
+    worst_case = "worst-case"  # max_tokens: no preemption possible
+    expected = "expected"  # a learned length per request class
 
 
 class StalePolicy(StrEnum):
     """What the gate does when vLLM's metrics are stale."""
 
-    OPEN = "open"  # admit on the ledger alone
-    CLOSED = "closed"  # refuse with 503
+    open = "open"  # admit on the ledger alone
+    closed = "closed"  # refuse with 503
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KV_SIDECAR_",
         cli_prog_name="kv-sidecar serve",
-        cli_kebab_case=True,
+        cli_kebab_case="all",  # enum names too: --reservation {worst-case,expected}
         cli_implicit_flags=True,
         use_attribute_docstrings=True,
         extra="ignore",
@@ -81,7 +82,7 @@ class Settings(BaseSettings):
     of --override-generation-config, or of the generation config vLLM reads from a
     --generation-config directory (default: no cap)."""
 
-    policy: Policy = Policy.QUEUE
+    policy: Policy = Policy.queue
     """A request that does not fit now: refuse with 429 (reject), wait (queue), or forward it
     anyway and only measure (observe: a dry run that changes no traffic)."""
     max_queue_wait: float = Field(default=30.0, ge=0)
@@ -90,7 +91,7 @@ class Settings(BaseSettings):
     """Requests the queue holds; beyond it new ones get 429 queue_full."""
     headroom: float = Field(default=0.05, ge=0, lt=1)
     """Share of KV blocks never promised to requests."""
-    reservation: ReservationMode = ReservationMode.WORST_CASE
+    reservation: ReservationMode = ReservationMode.worst_case
     """worst-case: every request may run to max_tokens; expected: a learned answer length per
     request class (endpoint and max_tokens bucket, or the x-kv-sidecar-class header)."""
     expected_quantile: float = Field(default=0.95, gt=0, lt=1)
@@ -101,7 +102,7 @@ class Settings(BaseSettings):
     """Seconds between scrapes of vLLM's /metrics."""
     metrics_stale_after: float = Field(default=5.0, gt=0)
     """Seconds after which vLLM's metrics count as stale."""
-    stale_policy: StalePolicy = StalePolicy.OPEN
+    stale_policy: StalePolicy = StalePolicy.open
     """On stale vLLM metrics, admit on the ledger alone (open) or refuse with 503 (closed)."""
 
     upstream_connect_timeout: float = Field(default=30.0, gt=0)

@@ -124,7 +124,7 @@ def test_every_documented_metric_is_exported_and_nothing_else() -> None:
     registry, metrics, ac, clock = build()
     ac.on_snapshot(snapshot(clock, used=5, running=1))
     metrics.on_snapshot()
-    ac.reservation_mode = ReservationMode.EXPECTED  # the learned lengths are listed then
+    ac.reservation_mode = ReservationMode.expected  # the learned lengths are listed then
     for _ in range(ac.learner.min_samples):
         ac.learner.observe("chat:none", 100)
     text = generate_latest(registry).decode()

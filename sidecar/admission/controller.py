@@ -79,15 +79,15 @@ class AdmissionController:
         self,
         ledger: Ledger,
         *,
-        policy: Policy = Policy.QUEUE,
+        policy: Policy = Policy.queue,
         headroom: float = 0.05,
         max_queue_depth: int = 256,
         max_queue_wait: float = 30.0,
-        reservation: ReservationMode = ReservationMode.WORST_CASE,
+        reservation: ReservationMode = ReservationMode.worst_case,
         expected_quantile: float = 0.95,
         expected_prior: float = 1.0,
         stale_after: float = 5.0,
-        stale_policy: StalePolicy = StalePolicy.OPEN,
+        stale_policy: StalePolicy = StalePolicy.open,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ledger = ledger
@@ -126,7 +126,7 @@ class AdmissionController:
 
     def on_snapshot(self, snap: EngineSnapshot) -> None:
         """Reconcile with a fresh scrape of vLLM, then re-evaluate the queue."""
-        if self.engine.update(snap) and self.reservation_mode is ReservationMode.EXPECTED:
+        if self.engine.update(snap) and self.reservation_mode is ReservationMode.expected:
             self.learner.tighten()
             log.warning("vLLM preempted; expected-mode reservations tightened")
         self.pump()
@@ -163,7 +163,7 @@ class AdmissionController:
 
     def ends(self, projection: Projection, klass: str = "") -> tuple[int, ...]:
         """Output tokens to reserve per sequence, per prompt, in the configured mode."""
-        if self.reservation_mode is ReservationMode.WORST_CASE:
+        if self.reservation_mode is ReservationMode.worst_case:
             return projection.max_tokens
         return tuple(self.learner.end(klass, m) for m in projection.max_tokens)
 
@@ -242,7 +242,7 @@ class AdmissionController:
         if self.draining:
             return self._draining_refusal()
         stale = self.is_stale()
-        if stale and self.stale_policy is StalePolicy.CLOSED:
+        if stale and self.stale_policy is StalePolicy.closed:
             return Decision(
                 Outcome.REJECT,
                 Reason.STALE_CLOSED,
@@ -251,7 +251,7 @@ class AdmissionController:
             )
         candidate = self._candidate(projection, streamed, klass, prefix)
         budget = self.budget_blocks()
-        if self.policy is Policy.OBSERVE:
+        if self.policy is Policy.observe:
             # dry run: account for everything, gate nothing
             reason = Reason.FITS if not self._queue and self._fits(candidate) else Reason.OBSERVED
             return Decision(Outcome.ADMIT, reason, reservation=self._admit(candidate))
@@ -268,7 +268,7 @@ class AdmissionController:
         if not self._queue and self._fits(candidate):
             reason = Reason.STALE_OPEN if stale else Reason.FITS
             return Decision(Outcome.ADMIT, reason, reservation=self._admit(candidate))
-        if self.policy is Policy.REJECT:
+        if self.policy is Policy.reject:
             return self._refuse(
                 Reason.KV_CACHE_FULL, "the KV cache is full; retry later", candidate
             )
@@ -344,9 +344,9 @@ class AdmissionController:
                 self._queue.popleft()
                 self._queued_peak_blocks -= head.candidate.projection.peak_blocks
                 continue
-            if self.stale_policy is StalePolicy.CLOSED and self.is_stale():
+            if self.stale_policy is StalePolicy.closed and self.is_stale():
                 return  # wait for fresh engine data (or the deadline)
-            if self.reservation_mode is ReservationMode.EXPECTED:
+            if self.reservation_mode is ReservationMode.expected:
                 # the learned lengths move while a request waits: reserve what they say now
                 cand = head.candidate
                 head.candidate = self._candidate(

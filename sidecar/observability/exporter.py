@@ -360,7 +360,7 @@ class StateCollector(Collector):
             "learned length bound; classes still on the prior are not listed).",
             labels=["class"],
         )
-        if self.admission.reservation_mode is ReservationMode.EXPECTED:
+        if self.admission.reservation_mode is ReservationMode.expected:
             for klass, length in self.admission.learner.classes().items():
                 if length is not None:
                     learned.add_metric([klass], length)
