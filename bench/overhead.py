@@ -239,41 +239,8 @@ class BaselineSidecar(SidecarProcess):
     ``sys.path``, ahead of the editable install's finder)."""
 
     def __init__(self, tree: Path, upstream: str, *args: str) -> None:
-        super().__init__(upstream, *args, env={"PYTHONPATH": str(tree)})
+        super().__init__(upstream, *args, env={"PYTHONPATH": str(tree)}, cwd=tree)
         self.tree = tree
-
-    def start(self, *, wait_ready: bool = True, timeout: float = 60.0) -> BaselineSidecar:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "sidecar",
-            "serve",
-            "--upstream",
-            self.upstream,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--metrics-port",
-            str(self.metrics_port),
-            *self.args,
-        ]
-        with open(self.log_path, "wb") as fh:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                cwd=self.tree,
-                env={**os.environ, **self.env},
-            )
-        if wait_ready:
-            try:
-                self.wait_ready(timeout)
-            except BaseException:
-                self.stop()
-                raise
-        return self
 
     def verify(self) -> dict[str, Any]:
         """Evidence that the running process is the worktree's code, not this checkout's: its

@@ -214,12 +214,19 @@ def summarize(results: Sequence[Result], seconds: float) -> dict[str, float]:
 class SidecarProcess:
     """``kv-sidecar serve`` as a real process on free loopback ports."""
 
-    def __init__(self, upstream: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        cwd: Path = ROOT,
+    ) -> None:
         self.upstream = upstream
         self.args = list(args)
         self.port = free_port()
         self.metrics_port = free_port()
         self.env = env or {}
+        self.cwd = cwd  # where `python -m sidecar` runs (and so which package it imports)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = CACHE / "logs" / f"sidecar-{self.port}.log"
 
@@ -250,7 +257,11 @@ class SidecarProcess:
         ]
         with open(self.log_path, "wb") as fh:
             self.proc = subprocess.Popen(
-                cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **self.env}
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                cwd=self.cwd,
+                env={**os.environ, **self.env},
             )
         if wait_ready:
             try:
