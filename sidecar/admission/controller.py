@@ -149,10 +149,12 @@ class AdmissionController:
             self.ledger.trajectories(extra, worst_case=worst_case), self.ledger.blocks
         )
 
-    def committed_blocks(self) -> int:
-        """Blocks spoken for. On stale engine data, the ledger alone (fail-open on the engine,
-        never on the ledger): what vLLM reported long ago no longer means anything."""
-        peak = self.future_peak_blocks()
+    def committed_blocks(self, peak: int | None = None) -> int:
+        """Blocks spoken for (``peak``: the future peak, when already computed). On stale engine
+        data, the ledger alone (fail-open on the engine, never on the ledger): what vLLM
+        reported long ago no longer means anything."""
+        if peak is None:
+            peak = self.future_peak_blocks()
         if self.is_stale():
             return peak
         committed = peak + self.engine.external_blocks
@@ -411,17 +413,23 @@ class AdmissionController:
     def state(self) -> KVState:
         snap = self.engine.snapshot
         at_snapshot = self.engine.at_snapshot
+        peak = self.future_peak_blocks()
+        worst = (
+            peak
+            if self.reservation_mode is ReservationMode.worst_case
+            else self.future_peak_blocks(worst_case=True)
+        )
         return KVState(
             capacity_blocks=self.engine.capacity_blocks,
             budget_blocks=self.budget_blocks(),
             reserved_blocks=self.ledger.reserved_blocks,
-            future_peak_blocks=self.future_peak_blocks(),
-            worst_case_peak_blocks=self.future_peak_blocks(worst_case=True),
+            future_peak_blocks=peak,
+            worst_case_peak_blocks=worst,
             predicted_blocks=self.ledger.predicted_blocks,
             shared_blocks=self.ledger.shared_blocks_now(),
             actual_blocks=snap.used_blocks if snap is not None else None,
             external_blocks=self.engine.external_blocks,
-            committed_blocks=self.committed_blocks(),
+            committed_blocks=self.committed_blocks(peak),
             peak_blocks_in_flight=self.ledger.peak_blocks,
             peak_blocks_queued=self._queued_peak_blocks,
             in_flight=len(self.ledger),
