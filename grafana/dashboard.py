@@ -3,8 +3,9 @@
 Built with grafana-foundation-sdk (typed builders for Grafana's dashboard schema) and returned as a
 plain JSON-ready dict. Rows, top to bottom: the verdict in six numbers; decisions beside vLLM's
 preemptions and running/waiting; the KV cache as predicted against what vLLM holds; reservations
-and risk; refusals and the queue; vLLM's latency and throughput; the sidecar's health. The first
-three rows fit one screen and answer "is admission working?".
+(the future peak admission checks, the sum of peaks, what shared prefixes and learned answer
+lengths save) and risk; refusals and the queue; vLLM's latency and throughput; the sidecar's
+health. The first three rows fit one screen and answer "is admission working?".
 
 Sidecar series carry the ``namespace`` and ``pod`` labels the Prometheus scrape adds; vLLM's
 series, scraped from the same pod, also carry ``model_name``. Every query filters by the
@@ -129,8 +130,10 @@ def timeseries_panel(
     min_value: float | None = None,
     max_value: float | None = None,
     dashed: str | None = None,
+    no_data: str | None = None,
 ) -> timeseries.Panel:
-    """A time series panel; ``dashed`` is a regex of series names drawn dashed (limits)."""
+    """A time series panel; ``dashed`` is a regex of series names drawn dashed (limits);
+    ``no_data`` replaces Grafana's "No data" where an empty panel has a known reason."""
     panel = (
         timeseries.Panel()
         .title(title)
@@ -178,6 +181,8 @@ def timeseries_panel(
                 )
             ],
         )
+    if no_data is not None:
+        panel = panel.no_value(no_data)
     return panel
 
 
@@ -401,9 +406,9 @@ def _kv_row() -> list[PanelBuilder]:
         ),
         timeseries_panel(
             "Prediction error (predicted - actual)",
-            "Above 0: the ledger counts more KV than vLLM holds (prefix-cache sharing, finished "
-            "requests not yet released); below 0: vLLM holds more than predicted (wrong "
-            "geometry, requests that bypass the sidecar).",
+            "Above 0: the ledger counts more KV than vLLM holds (finished requests not yet "
+            "released, prefix sharing the ledger cannot see); below 0: vLLM holds more than "
+            "predicted (wrong geometry, requests that bypass the sidecar).",
             "bytes",
             [
                 Query(_per_pod("sum", sidecar("kv_sidecar_kv_prediction_error_bytes")), "{{pod}}"),
@@ -429,12 +434,22 @@ def _kv_row() -> list[PanelBuilder]:
 def _risk_row() -> list[PanelBuilder]:
     return [
         timeseries_panel(
-            "Reserved vs capacity",
-            "KV promised to requests in flight (the ledger) and still promisable (headroom). "
-            "Dashed: capacity.",
+            "Future peak vs reserved vs capacity",
+            "Future peak: the most KV the requests in flight can hold at once, each growing a "
+            "token per step to its reserved end and then freeing its blocks, shared prompt blocks "
+            "once; admission keeps it under the budget. Reserved: the sum of their peaks, as if "
+            "all peaked together (the gap is what admitting by trajectories gains). Headroom: "
+            "still promisable. Dashed: capacity.",
             "bytes",
             [
-                Query(_per_pod("sum", sidecar("kv_sidecar_kv_reserved_bytes")), "{{pod}} reserved"),
+                Query(
+                    _per_pod("sum", sidecar("kv_sidecar_kv_future_peak_bytes")),
+                    "{{pod}} future peak",
+                ),
+                Query(
+                    _per_pod("sum", sidecar("kv_sidecar_kv_reserved_bytes")),
+                    "{{pod}} reserved (sum of peaks)",
+                ),
                 Query(_per_pod("sum", sidecar("kv_sidecar_kv_headroom_bytes")), "{{pod}} headroom"),
                 Query(_per_pod("sum", sidecar("kv_sidecar_kv_capacity_bytes")), "{{pod}} capacity"),
             ],
@@ -473,6 +488,32 @@ def _risk_row() -> list[PanelBuilder]:
                 )
             ],
             min_value=0,
+        ),
+        timeseries_panel(
+            "KV saved by shared prefixes",
+            "Prompt KV that running requests share (the same full blocks of token ids) and "
+            "vLLM's prefix cache holds once: the future peak and the prediction count it once, "
+            "the sum of peaks (reserved) once per request. 0 while no two running requests "
+            "share a prompt prefix.",
+            "bytes",
+            [Query(_per_pod("sum", sidecar("kv_sidecar_kv_prefix_shared_bytes")), "{{pod}}")],
+            width=12,
+            min_value=0,
+        ),
+        timeseries_panel(
+            "Learned output tokens per class",
+            "Expected mode (--reservation expected): the output tokens reserved per sequence for "
+            "each request class (endpoint and power-of-two bucket of max_tokens, or the "
+            "x-kv-sidecar-class header), an upper confidence bound on a high quantile of its "
+            "recent answer lengths. Empty in worst-case mode, where every request reserves its "
+            "max_tokens, and while every class is still on --expected-prior.",
+            "short",
+            # one series per pod and class already: no aggregation, the legend names both
+            [Query(sidecar("kv_sidecar_expected_output_tokens"), "{{pod}} {{class}}")],
+            width=12,
+            min_value=0,
+            no_data="No learned lengths: worst-case mode (every request reserves max_tokens), "
+            "or every class still on --expected-prior",
         ),
     ]
 

@@ -52,6 +52,9 @@ REQUIRED_SERIES = frozenset(
         "kv_sidecar_kv_prediction_error_bytes",
         "kv_sidecar_kv_prediction_relative_error_bucket",
         "kv_sidecar_kv_reserved_bytes",
+        "kv_sidecar_kv_future_peak_bytes",
+        "kv_sidecar_kv_prefix_shared_bytes",
+        "kv_sidecar_expected_output_tokens",
         "kv_sidecar_kv_capacity_bytes",
         "kv_sidecar_oom_risk_ratio",
         "kv_sidecar_kv_exhaustion_seconds",
@@ -310,6 +313,18 @@ def test_dashboard_shows_what_the_issue_asks_for() -> None:
         for vector in selectors(promql_parser.parse(expr))
     }
     assert REQUIRED_SERIES <= used, f"missing: {sorted(REQUIRED_SERIES - used)}"
+
+
+def test_panels_empty_in_worst_case_mode_say_why() -> None:
+    """The learned lengths exist only in expected mode: the empty panel says so, not "No data"."""
+    panels = [
+        panel
+        for panel in iter_panels(load_dashboard()["panels"])
+        if any("kv_sidecar_expected_output_tokens" in t["expr"] for t in panel["targets"])
+    ]
+    assert [panel["title"] for panel in panels] == ["Learned output tokens per class"]
+    no_value = panels[0]["fieldConfig"]["defaults"]["noValue"]
+    assert "worst-case" in no_value and "--expected-prior" in no_value
 
 
 def test_no_variable_is_left_unsubstituted() -> None:
