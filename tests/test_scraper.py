@@ -219,7 +219,9 @@ async def test_a_failed_scrape_keeps_the_last_good_snapshot(
     assert (scraper.scrapes_total, scraper.errors_total) == (2, 1)
     assert scraper.age() > age_before
     if mode == "hang":
-        assert 0.15 < elapsed < 2.0  # the timeout, not the server, ended it
+        # the timeout, not the server (which hangs for an hour), ended it: a loaded 2-core
+        # machine has taken 2.2 s to run a 0.2 s timeout's callback, so the bound is generous
+        assert 0.15 < elapsed < 30.0, elapsed
 
 
 async def test_non_200_success_statuses_and_errors(
