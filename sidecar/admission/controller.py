@@ -173,6 +173,13 @@ class AdmissionController:
         budget = self.budget_blocks()
         if budget is None:
             return True  # nothing known yet (fail-open start-up): vLLM is the only judge
+        if self.reservation_mode is ReservationMode.worst_case and candidate.projection.exact:
+            # The sum of the reserved peaks bounds the future peak from above (each request's
+            # trajectory never holds more than its peak): when even that fits, the trajectories
+            # need not be laid out. Not in expected mode, where an answer past its expected end
+            # is expected to grow beyond what it reserved.
+            if self._committed_fits(self.ledger.reserved_blocks, candidate, budget):
+                return True
         peak = self.future_peak_blocks(candidate)
         if not candidate.projection.exact:
             # an upper-bound estimate must not make a request unrunnable: one over the budget
@@ -182,6 +189,16 @@ class AdmissionController:
             )
             if alone > budget:
                 return len(self.ledger) == 0 and self.engine.external_blocks == 0
+        return self._committed_fits(peak, candidate, budget, with_candidate=True)
+
+    def _committed_fits(
+        self, peak: int, candidate: Reservation, budget: int, *, with_candidate: bool = False
+    ) -> bool:
+        """``peak`` (of the requests in flight, and the candidate's when ``with_candidate``)
+        with what vLLM holds beyond the ledger, and the candidate's prompt beside what vLLM holds
+        now, within the budget."""
+        if not with_candidate:
+            peak += candidate.reserved_blocks
         if self.is_stale():
             return peak <= budget
         committed = peak + self.engine.external_blocks
