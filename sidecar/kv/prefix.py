@@ -24,11 +24,18 @@ _ROOT = hash(("vllm-kv-sidecar", "prefix-root"))
 
 
 def block_hashes(token_ids: Sequence[int], *, block_size: int, salt: object = None) -> BlockHashes:
-    """The chain hash of every full ``block_size`` block of ``token_ids`` (a partial last block
-    is never shared). ``salt`` separates what vLLM keeps apart (model or LoRA, cache_salt)."""
+    """The chain hash of every shareable ``block_size`` block of ``token_ids``: the full blocks
+    of all tokens but the last (a partial block is never shared, and vLLM caps a prefix-cache
+    hit at ``len - 1`` tokens, since it recomputes the last one: a prompt of exactly k blocks
+    shares k - 1). ``salt`` separates what vLLM keeps apart (model or LoRA, cache_salt).
+
+    >>> [len(block_hashes([0] * n, block_size=16)) for n in (31, 32, 33)]
+    [1, 1, 2]
+    """
     parent = hash((_ROOT, salt)) if salt is not None else _ROOT
     out: list[int] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    shareable = (len(token_ids) - 1) // block_size * block_size
+    for start in range(0, shareable, block_size):
         parent = hash((parent, tuple(token_ids[start : start + block_size])))
         out.append(parent)
     return tuple(out)
