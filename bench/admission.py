@@ -1165,9 +1165,13 @@ def each(f: dict[str, Any], key: str, digits: int) -> str:
 
 
 def paired_ratio(f: dict[str, Any], d: dict[str, Any] | None, key: str) -> float | None:
-    """Median of per-repetition ratios to direct (repetition i of both ran in the same round)."""
+    """Median of per-repetition ratios to direct (repetition i of both ran in the same round);
+    the ratio of the medians when the two ran a different number of times (a configuration on
+    its own server, or run fewer times, has no partner in each round)."""
     if d is None:
         return None
+    if len(f.get("each", [f])) != len(d.get("each", [d])):
+        return f[key] / d[key] if f[key] is not None and d[key] else None
     ratios = [
         a[key] / b[key]
         for a, b in zip(f.get("each", [f]), d.get("each", [d]), strict=False)
