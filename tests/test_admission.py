@@ -349,7 +349,7 @@ def test_non_streamed_progress_is_estimated_from_vllm_counters() -> None:
     assert d.reservation.generated == 300
     assert ac.ledger.predicted_blocks == 5  # ceil(571 / 128)
     # one that started half-way through the next interval gets half of its share
-    late = ac.try_admit(proj(), streamed=True)
+    late = ac.try_admit(proj(), streamed=False)
     assert late is not None and late.reservation is not None
     clock.now += 0.5
     ac.started(late.reservation)
@@ -357,9 +357,15 @@ def test_non_streamed_progress_is_estimated_from_vllm_counters() -> None:
     ac.on_snapshot(snapshot(clock, generated=2000, running=2))  # 200 tokens per sequence
     assert d.reservation.generated == 500
     assert late.reservation.generated == 100
-    # a streamed answer's events win when they show more (vLLM's counter lags a little)
-    ac.progressed(late.reservation, 150)
-    assert late.reservation.generated == 150
+    # a streamed answer is advanced by its own events only (an estimate could run ahead)
+    streamed = ac.try_admit(proj(), streamed=True)
+    assert streamed is not None and streamed.reservation is not None
+    ac.started(streamed.reservation)
+    clock.now += 1
+    ac.on_snapshot(snapshot(clock, generated=2600, running=3))
+    assert streamed.reservation.generated == 0
+    ac.progressed(streamed.reservation, 150)
+    assert streamed.reservation.generated == 150
 
 
 def test_expected_mode_reserves_the_learned_length_per_class() -> None:

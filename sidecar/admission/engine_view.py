@@ -51,7 +51,7 @@ class EngineView:
         return preempted
 
     def _hidden_progress(self, prev: EngineSnapshot, snap: EngineSnapshot) -> None:
-        """Advance running requests by their share of vLLM's generated tokens (non-streamed ones
+        """Advance running non-streamed requests by their share of vLLM's generated tokens (they
         show nothing else until they end), and learn the step time.
 
         Continuous batching decodes one token per running sequence per step, so the growth of
@@ -72,11 +72,12 @@ class EngineView:
             # through the interval (an idle part would make steps look slow)
             self._learn_step(elapsed / per_sequence)
         for res in self.ledger:
-            if not res.started:
+            if not res.started or res.streamed:
+                # a streamed answer's own events count its tokens: an estimate could run ahead
+                # of them (vLLM's counters lag and jump), and progress overestimated is the
+                # unsafe side (an answer taken to end sooner than it will)
                 continue
-            # its share of the interval's tokens, for the part of the interval it ran; a
-            # streamed answer's events count its tokens too, but vLLM merges the tokens of a
-            # slow reader into fewer events: the ledger keeps the larger of the two
+            # its share of the interval's tokens, for the part of the interval it ran
             ran = snap.taken_at - max(prev.taken_at, res.started_at)
             if ran > 0:
                 res.estimated += per_sequence * min(1.0, ran / elapsed) if elapsed > 0 else 0.0
