@@ -159,10 +159,6 @@ def test_queue_policy_burst_has_no_preemptions(
         (s["predicted_at_snapshot_blocks"], s["actual_blocks"], s["in_flight_at_snapshot"])
         for s in off
     ] + [len(compared)]
-    # what admission keeps under the budget: the future peak of what is in flight (the sum of
-    # the reserved peaks may go over it: requests at different stages never peak together)
-    peak = max(s["future_peak_blocks"] for s in sampler.samples)
-    assert peak <= vllm.num_gpu_blocks - 1
     # the exported figures say the same: error within a block per request, no OOM risk
     # (/state and /metrics are read one after the other and may straddle a scrape: bound each
     # exported error by the requests in flight at the neighbouring samples' scrapes)
