@@ -120,7 +120,7 @@ def test_long_answers_at_different_stages_are_admitted_by_their_future_peak(
                 asyncio.ensure_future(one(k, p, n))
                 for k, (p, n) in enumerate(zip(prompts, lengths, strict=False))
             ]
-            # every one past its prefill before the ninth comes; until then vLLM runs in 20 ms
+            # every one past its prefill before the ninth comes; until then vLLM runs in 5 ms
             # pulses, so that the first cannot finish while the last is still being counted
             # and admitted on a loaded machine
             deadline = time.monotonic() + 120
@@ -132,7 +132,7 @@ def test_long_answers_at_different_stages_are_admitted_by_their_future_peak(
                     assert time.monotonic() < deadline, f"not all eight running: {events}"
                     assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
                     os.killpg(pid, signal.SIGCONT)
-                    await asyncio.sleep(0.02)
+                    await asyncio.sleep(0.005)
             finally:
                 os.killpg(pid, signal.SIGCONT)
             tasks.append(asyncio.ensure_future(one(8, prompts[8], 900)))
@@ -204,8 +204,8 @@ def test_a_shared_prefix_is_counted_once_and_predicted_within_a_block(
 
 def test_non_streamed_answers_are_predicted_as_they_grow(vllm: VllmInfo) -> None:
     """Non-streamed answers show nothing until they end: the sidecar estimates their progress
-    from vLLM's generation counter. Its prediction follows vLLM's usage within a block per
-    running request."""
+    from vLLM's generation counter. Its prediction follows vLLM's usage within two blocks per
+    running request (the code before saw none of their growth)."""
     _sized(vllm)
     assert vllm.model_dir is not None
     prompts = make_prompts(vllm.model_dir, 6, 150, seed=21)  # 6 x (150 + 850): 8 blocks each
@@ -236,10 +236,13 @@ def test_non_streamed_answers_are_predicted_as_they_grow(vllm: VllmInfo) -> None
     assert len({s["actual_blocks"] for s in compared}) >= 2, [
         (s["in_flight"], s["in_flight_at_snapshot"], s["actual_blocks"]) for s in sampler.samples
     ]
+    # within two blocks per running request: the estimate follows vLLM's generation counter,
+    # which vLLM publishes a little after its usage gauge (it lags and jumps on a loaded machine)
     off = [
         s
         for s in compared
-        if abs(s["predicted_at_snapshot_blocks"] - s["actual_blocks"]) > s["in_flight_at_snapshot"]
+        if abs(s["predicted_at_snapshot_blocks"] - s["actual_blocks"])
+        > 2 * s["in_flight_at_snapshot"]
     ]
     assert len(off) <= len(compared) // 10, [
         (s["predicted_at_snapshot_blocks"], s["actual_blocks"], s["in_flight_at_snapshot"])
