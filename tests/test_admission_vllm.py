@@ -172,7 +172,7 @@ def test_a_shared_prefix_is_counted_once_and_predicted_within_a_block(
                             {"role": "system", "content": system},
                             {"role": "user", "content": question},
                         ],
-                        "max_tokens": 200,
+                        "max_tokens": 280,
                         "ignore_eos": True,
                         "stream": True,
                     },
@@ -185,7 +185,9 @@ def test_a_shared_prefix_is_counted_once_and_predicted_within_a_block(
     with SidecarProcess(vllm.url, "--policy", "queue", "--scrape-interval", "0.1") as sc:
         asyncio.run(run(sc.url))  # vLLM's prefix cache now holds the system prompt
         with StateSampler(sc) as sampler:
+            time.sleep(0.2)  # sampling before the requests start
             asyncio.run(run(sc.url))
+            time.sleep(0.2)
         state = sc.state()
         assert state["in_flight"] == 0 and state["reserved_blocks"] == 0
     assert vllm_preemptions(vllm.url) == before
