@@ -239,10 +239,9 @@ class Sidecar:
         """Stop admitting, let what runs (and queued requests that can still start) finish."""
         self.traffic.draining = True
         self.admission.draining = True
-        ledger = self.admission.ledger
         log.info(
             "draining: %d in flight, %d queued, deadline %.0fs",
-            len(ledger),
+            self.admission.in_flight,
             self.admission.queue_depth,
             deadline_seconds,
         )
@@ -251,10 +250,10 @@ class Sidecar:
         while self._busy() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         self.admission.fail_queue()
-        if len(ledger) or self.traffic.passthrough_in_flight:
+        if self.admission.in_flight or self.traffic.passthrough_in_flight:
             log.warning(
                 "drain deadline reached with %d generation and %d other requests in flight",
-                len(ledger),
+                self.admission.in_flight,
                 self.traffic.passthrough_in_flight,
             )
         else:
@@ -266,7 +265,7 @@ class Sidecar:
 
     def _busy(self) -> bool:
         return bool(
-            len(self.admission.ledger)
+            self.admission.in_flight
             or self.admission.queue_depth
             or self.traffic.passthrough_in_flight
         )
@@ -359,9 +358,8 @@ class Sidecar:
         # Not ready until the tokenizer has loaded (or failed to): the load holds the GIL in long
         # stretches, and requests admitted meanwhile would stall seconds behind it.
         local = await counter.wait_ready()
-        self.admission.ledger.blocks = config.blocks
         # vLLM's prefix caching (on unless its cache config says off) holds shared blocks once
-        self.admission.ledger.share_prefixes = config.prefix_caching is not False
+        self.admission.configure(config.blocks, share_prefixes=config.prefix_caching is not False)
         self.engine = Engine(config=config, counter=counter)
         self.admission.on_snapshot(snap)
         log.info(

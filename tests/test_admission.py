@@ -305,7 +305,7 @@ def test_retry_after_is_when_the_trajectories_make_room_and_spreads_a_burst() ->
         ac.progressed(d.reservation, 700)
     clock.now += 1.0
     ac.on_snapshot(snapshot(clock, generated=7 * 50, running=7))  # 50 steps a second
-    assert ac.engine.seconds_per_step == pytest.approx(0.02)
+    assert ac.pools[0].view.seconds_per_step == pytest.approx(0.02)
     big = proj(prompt=900, max_tokens=124, n=4)  # 32 blocks from its prefill: two never fit
     first = ac.try_admit(big, streamed=True)
     assert first is not None and first.reason == "kv_cache_full"
@@ -317,7 +317,7 @@ def test_retry_after_is_when_the_trajectories_make_room_and_spreads_a_burst() ->
     # (the first was booked at its Retry-After, 259 steps from now, and runs 124 steps)
     slot = round(first.retry_after / 0.02)
     assert second.retry_after == pytest.approx((slot + 124) * 0.02 * 1.1 + 0.25)
-    assert ac.retry.bookings == 2
+    assert ac.pools[0].retry.bookings == 2
 
 
 def test_stale_metrics_open_and_closed() -> None:
@@ -428,10 +428,113 @@ def test_the_step_time_is_vllms_inter_token_latency() -> None:
         snapshot(clock), inter_token_latency_sum=10.0, inter_token_latency_count=1000
     )
     ac.on_snapshot(first)
-    assert ac.engine.seconds_per_step == pytest.approx(0.01)  # the mean since vLLM started
+    assert ac.pools[0].view.seconds_per_step == pytest.approx(0.01)  # the mean since vLLM started
     clock.now += 1
     later = dataclasses.replace(
         snapshot(clock), inter_token_latency_sum=12.0, inter_token_latency_count=1100
     )
     ac.on_snapshot(later)  # 100 tokens in 2 s of latency: 0.02 s a step lately
-    assert ac.engine.seconds_per_step == pytest.approx(0.7 * 0.01 + 0.3 * 0.02)
+    assert ac.pools[0].view.seconds_per_step == pytest.approx(0.7 * 0.01 + 0.3 * 0.02)
+
+
+# --- data-parallel engines: one pool each -------------------------------------------------------
+
+
+def dp_snapshot(clock: Clock, *, used: tuple[int, ...], blocks: int = 20) -> EngineSnapshot:
+    """vLLM with one engine per entry of ``used``, each a pool of ``blocks``."""
+    parts = tuple(
+        dataclasses.replace(snapshot(clock, used=u, blocks=blocks), engine=str(k))
+        for k, u in enumerate(used)
+    )
+    total = sum(used)
+    return dataclasses.replace(
+        snapshot(clock, blocks=blocks * len(used)),
+        engines=len(used),
+        kv_cache_usage=total / (len(used) * (blocks - 1)),
+        per_engine=parts,
+    )
+
+
+def dp_controller(clock: Clock, engines: int = 2, **kw: object) -> AdmissionController:
+    ac = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.0, **kw)  # type: ignore[arg-type]
+    ac.on_snapshot(dp_snapshot(clock, used=(0,) * engines))
+    return ac
+
+
+def test_each_engine_is_its_own_pool_and_a_request_goes_where_it_fits() -> None:
+    """Two engines of 19 usable blocks: requests of 8 blocks at their peak go two to a pool,
+    alternating (the most room first); then one of 4 blocks fits the summed room (6) but no
+    single pool (3 each), and is refused, where one pool of 38 would have taken it."""
+    clock = Clock()
+    ac = dp_controller(clock, policy="reject")
+    assert [p.engine for p in ac.pools] == ["0", "1"]
+    assert ac.capacity_blocks == 38 and ac.budget_blocks() == 38
+    engines = []
+    for _ in range(4):
+        d = ac.try_admit(proj(), streamed=True)
+        assert d is not None and d.admitted and d.reservation is not None
+        engines.append(d.reservation.engine)
+    assert sorted(engines) == ["0", "0", "1", "1"]
+    assert engines[0] != engines[1]  # spread: the emptier pool first
+    # 16 of 19 in each pool: a 4-block request fits the 6 left in all but in neither pool
+    small = proj(prompt=271, max_tokens=200)  # 471 tokens: 4 blocks
+    assert small.peak_blocks == 4
+    d = ac.try_admit(small, streamed=True)
+    assert d is not None and not d.admitted
+    # a 3-block one fits in either
+    d = ac.try_admit(proj(prompt=271, max_tokens=100), streamed=True)
+    assert d is not None and d.admitted
+    state = ac.state()
+    assert (state.reserved_blocks, state.in_flight) == (35, 5)
+
+
+def test_a_request_larger_than_one_engines_pool_is_too_large() -> None:
+    clock = Clock()
+    ac = dp_controller(clock)
+    d = ac.try_admit(proj(n=3), streamed=True)  # 3 x 8 blocks > 19, < 38
+    assert d is not None and d.reason.value == "too_large"
+    assert "per engine" in d.message
+
+
+def test_a_clients_pin_is_kept_and_an_unpinnable_request_is_held_in_every_pool() -> None:
+    clock = Clock()
+    ac = dp_controller(clock, policy="reject")
+    pinned = ac.try_admit(proj(), streamed=True, pin="1")
+    assert pinned is not None and pinned.reservation is not None
+    assert pinned.reservation.engine == "1"
+    # /v1/responses cannot be pinned: vLLM's coordinator may send it to either engine
+    d = ac.try_admit(proj(), streamed=True, pinnable=False)
+    assert d is not None and d.reservation is not None
+    res = d.reservation
+    assert len(res.shadows) == 1
+    assert sorted(r.engine for r in (res, *res.shadows)) == ["0", "1"]
+    assert [len(p.ledger) for p in ac.pools] == [1, 2]
+    again = ac.try_admit(proj(), streamed=True, pin="1")  # 24 > 19 in engine 1
+    assert again is not None and not again.admitted
+    free = ac.try_admit(proj(), streamed=True)  # goes where there is room
+    assert free is not None and free.reservation is not None and free.reservation.engine == "0"
+    # 16 of 19 in each: an unpinnable one of 3 blocks is held in both, one of 4 in neither
+    d2 = ac.try_admit(proj(prompt=271, max_tokens=200), streamed=True, pinnable=False)
+    assert d2 is not None and not d2.admitted
+    d3 = ac.try_admit(proj(prompt=271, max_tokens=100), streamed=True, pinnable=False)
+    assert d3 is not None and d3.reservation is not None and len(d3.reservation.shadows) == 1
+    ac.release(d3.reservation)
+    ac.started(res)
+    ac.progressed(res, 100)
+    assert res.shadows[0].generated == 100 and res.shadows[0].started
+    ac.release(res)
+    assert [len(p.ledger) for p in ac.pools] == [1, 1]
+    assert ac.state().reserved_blocks == 16
+
+
+def test_each_engines_usage_counts_against_its_own_pool() -> None:
+    """What vLLM holds beyond the ledger on one engine does not block the other."""
+    clock = Clock()
+    ac = dp_controller(clock, policy="reject")
+    ac.on_snapshot(dp_snapshot(clock, used=(15, 0)))  # engine 0 busy with bypassing traffic
+    for _ in range(2):
+        d = ac.try_admit(proj(), streamed=True)
+        assert d is not None and d.reservation is not None and d.reservation.engine == "1"
+    d = ac.try_admit(proj(), streamed=True)
+    assert d is not None and not d.admitted
+    assert d.retry_after is not None and d.retry_after >= 1.0

@@ -101,21 +101,46 @@ def test_snapshot_is_frozen() -> None:
 # --- data parallel --------------------------------------------------------------------------
 
 
-def test_two_engines_are_summed() -> None:
+def test_two_engines_are_summed_and_kept_apart() -> None:
     snap = parse((CRAFTED / "two-engines.txt").read_text())
     assert snap.engines == 2
-    assert snap.num_gpu_blocks == 65 + 129
+    # each engine's line says 130, the sum of the two pools (vLLM 0.32's client adds them up)
+    assert snap.num_gpu_blocks == 130
     assert snap.block_size == 128
     # one null block per engine
-    assert snap.capacity_blocks == 64 + 128
-    # weighted by usable blocks: (0.5 * 64 + 0.25 * 128) / 192, not the plain mean 0.375
-    assert snap.kv_cache_usage == pytest.approx(64 / 192)
-    assert snap.used_blocks == 64
+    assert snap.capacity_blocks == 64 + 64
+    assert snap.kv_cache_usage == pytest.approx((0.5 * 64 + 0.25 * 64) / 128)
+    assert snap.used_blocks == 48
     assert snap.running == 8
     assert snap.preemptions_total == 10.0
     assert snap.generation_tokens_total == 2100.0
     assert snap.cache_dtype == "fp8"
     assert snap.kv_cache_memory_bytes == 1_073_741_824
+    # and each engine's own pool
+    assert [e.engine for e in snap.pools] == ["0", "1"]
+    assert [(e.capacity_blocks, e.used_blocks) for e in snap.pools] == [(64, 32), (64, 16)]
+    assert [e.running for e in snap.pools] == [3, 5]
+    assert [e.preemptions_total for e in snap.pools] == [4.0, 6.0]
+    assert [e.generation_tokens_total for e in snap.pools] == [700.0, 1400.0]
+
+
+def test_a_real_two_engine_server_has_two_pools_of_its_override() -> None:
+    """vLLM 0.32 CPU, --data-parallel-size 2 --num-gpu-blocks-override 20: each engine's
+    cache_config_info reads num_gpu_blocks="40" (the sum) and kv_cache_size_tokens="2560"
+    (20 blocks of 128, its own pool)."""
+    snap = parse((CRAFTED / "dp2-fresh-vllm-0.32.0.txt").read_text())
+    assert snap.engines == 2
+    assert [(e.engine, e.num_gpu_blocks, e.capacity_blocks) for e in snap.pools] == [
+        ("0", 20, 19),
+        ("1", 20, 19),
+    ]
+    assert snap.capacity_blocks == 38  # not 78, the sum of the labels less the null blocks
+
+
+def test_one_engine_is_its_own_pool() -> None:
+    snap = parse((CAPTURES / "metrics-under-load.txt").read_text())
+    assert snap.pools == (snap,)
+    assert snap.per_engine == ()
 
 
 def test_two_engines_without_cache_config_average_the_usage() -> None:

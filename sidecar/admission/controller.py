@@ -12,6 +12,15 @@ admitted, so a large request is not starved by small ones behind it) that is re-
 every release and every scrape. A refusal's Retry-After is when the trajectories say the request
 would fit (``sidecar.admission.retry``).
 
+Data-parallel vLLM (``--data-parallel-size N`` in one server) runs N engines, each with its own
+KV pool: the controller keeps one :class:`Pool` (ledger, engine view, Retry-After planner) per
+engine and admits a request into the pool it fits best (the most room left), then the proxy
+pins it there with vLLM's ``X-data-parallel-rank`` header, which its chat, completions and
+messages endpoints honour (``_get_data_parallel_rank`` in ``entrypoints/generate/base/
+serving.py``). Without the pin vLLM's coordinator picks the engine by load (waiting and running
+counts, ``DPLBAsyncMPClient.get_core_engine_for_request``), not by KV, so a request that cannot
+be pinned (``/v1/responses``) is reserved in every pool, and a client's own pin is kept.
+
 Outcomes are values (:class:`Decision`), not exceptions; ``sidecar.http.refusals`` maps them
 to HTTP.
 """
@@ -23,7 +32,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,15 +44,37 @@ from sidecar.config import Policy, ReservationMode, StalePolicy
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.prefix import BlockHashes
-from sidecar.kv.projection import Projection
+from sidecar.kv.projection import BlockMath, Projection
 from sidecar.kv.trajectory import future_peak
 
 log = logging.getLogger("sidecar.admission")
 
 
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a request asks of the KV cache, before it is placed in a pool."""
+
+    projection: Projection
+    streamed: bool
+    klass: str = ""
+    prefix: tuple[BlockHashes, ...] | None = None
+    pin: str | None = None  # the engine the client chose (its X-data-parallel-rank header)
+    pinnable: bool = True  # its endpoint lets the sidecar choose the engine
+
+
+@dataclass(eq=False)
+class Pool:
+    """One engine's KV pool: its ledger, vLLM's figures for it, its Retry-After planner."""
+
+    engine: str  # vLLM's ``engine`` label ("" when vLLM runs one engine)
+    ledger: Ledger
+    view: EngineView
+    retry: RetryPlanner
+
+
 @dataclass(eq=False)
 class _Waiter:
-    candidate: Reservation  # not in the ledger until admitted
+    ask: Ask
     enqueued_at: float
     future: asyncio.Future[Reservation] = field(repr=False)
 
@@ -90,7 +121,6 @@ class AdmissionController:
         stale_policy: StalePolicy = StalePolicy.open,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ledger = ledger
         self.policy = Policy(policy)
         self.headroom = headroom
         self.max_queue_depth = max_queue_depth
@@ -99,66 +129,133 @@ class AdmissionController:
         self.stale_after = stale_after
         self.stale_policy = StalePolicy(stale_policy)
         self.learner = LengthLearner(expected_quantile, prior=expected_prior, clock=clock)
-        self.engine = EngineView(ledger)
-        self.retry = RetryPlanner(ledger, clock=clock)
         self._clock = clock
+        self.pools: list[Pool] = [self._new_pool("", ledger)]
+        self._retired: dict[str, Pool] = {}  # pools of engines gone, until their requests end
         self._queue: deque[_Waiter] = deque()
         self._queued_peak_blocks = 0
+        self._snapshot: EngineSnapshot | None = None
         self.draining = False
+
+    def _new_pool(self, engine: str, ledger: Ledger) -> Pool:
+        return Pool(engine, ledger, EngineView(ledger), RetryPlanner(ledger, clock=self._clock))
+
+    @property
+    def ledger(self) -> Ledger:
+        """The first pool's ledger: the only one unless vLLM runs data-parallel engines."""
+        return self.pools[0].ledger
+
+    def configure(self, blocks: BlockMath, *, share_prefixes: bool) -> None:
+        """vLLM's block geometry and prefix caching, for every pool (at discovery)."""
+        for pool in self.pools:
+            pool.ledger.blocks = blocks
+            pool.ledger.share_prefixes = share_prefixes
+
+    def _pool_of(self, res: Reservation) -> Pool:
+        for pool in self.pools:
+            if pool.engine == res.engine:
+                return pool
+        return self._retired[res.engine]
 
     # --- the engine's view -------------------------------------------------------------------
 
     @property
     def snapshot(self) -> EngineSnapshot | None:
-        return self.engine.snapshot
+        return self._snapshot
 
     @property
     def capacity_blocks(self) -> int | None:
-        return self.engine.capacity_blocks
+        capacities = [pool.view.capacity_blocks for pool in self.pools]
+        return None if None in capacities else sum(c for c in capacities if c is not None)
 
     @property
     def external_blocks(self) -> int:
-        return self.engine.external_blocks
+        return sum(pool.view.external_blocks for pool in self.pools)
 
     @property
     def preemptions_seen(self) -> float:
-        return self.engine.preemptions_seen
+        return sum(pool.view.preemptions_seen for pool in (*self.pools, *self._retired.values()))
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(pool.ledger) for pool in self.pools) + sum(
+            len(pool.ledger) for pool in self._retired.values()
+        )
 
     def on_snapshot(self, snap: EngineSnapshot) -> None:
         """Reconcile with a fresh scrape of vLLM, then re-evaluate the queue."""
-        if self.engine.update(snap) and self.reservation_mode is ReservationMode.expected:
+        self._snapshot = snap
+        parts = snap.pools
+        if [part.engine for part in parts] != [pool.engine for pool in self.pools]:
+            self._repool([part.engine for part in parts])
+        preempted = sum(
+            pool.view.update(part) for pool, part in zip(self.pools, parts, strict=True)
+        )
+        if preempted and self.reservation_mode is ReservationMode.expected:
             self.learner.tighten()
             log.warning("vLLM preempted; expected-mode reservations tightened")
         self.pump()
 
+    def _repool(self, engines: list[str]) -> None:
+        """vLLM's engines are not the pools' (the first scrape of a data-parallel vLLM):
+        one pool per engine, keeping the pools of engines still there."""
+        first = self.pools[0].ledger
+        kept = {pool.engine: pool for pool in self.pools}
+        pools = []
+        for engine in engines:
+            pool = kept.pop(engine, None)
+            if pool is None:
+                ledger = Ledger(
+                    first.blocks, share_prefixes=first.share_prefixes, clock=self._clock
+                )
+                pool = self._new_pool(engine, ledger)
+            pools.append(pool)
+        for engine, pool in kept.items():
+            if len(pool.ledger):
+                self._retired[engine] = pool
+        self.pools = pools
+        log.info("vLLM runs %d engines, each with its own KV pool", len(pools))
+
     def is_stale(self) -> bool:
-        snap = self.engine.snapshot
+        snap = self._snapshot
         return snap is None or snap.age(self._clock()) > self.stale_after
 
     # --- the budget -------------------------------------------------------------------------
 
-    def budget_blocks(self) -> int | None:
-        capacity = self.engine.capacity_blocks
+    def budget_blocks(self, pool: Pool | None = None) -> int | None:
+        """The blocks admission may promise: in one pool, or (``pool`` None) in all."""
+        if pool is None:
+            budgets = [self.budget_blocks(p) for p in self.pools]
+            return None if None in budgets else sum(b for b in budgets if b is not None)
+        capacity = pool.view.capacity_blocks
         if capacity is None:
             return None
         return math.floor(capacity * (1.0 - self.headroom))
 
     def future_peak_blocks(self, *extra: Reservation, worst_case: bool = False) -> int:
-        """The most blocks the requests in flight (and ``extra``) can hold at once from now."""
-        return future_peak(
-            self.ledger.trajectories(extra, worst_case=worst_case), self.ledger.blocks
-        )
+        """The most blocks the requests in flight (and ``extra``) can hold at once from now,
+        summed over the pools (each pool's peak comes at its own time: an upper bound)."""
+        return sum(self._future_peak(pool, extra, worst_case=worst_case) for pool in self.pools)
 
-    def committed_blocks(self, peak: int | None = None) -> int:
-        """Blocks spoken for (``peak``: the future peak, when already computed). On stale engine
-        data, the ledger alone (fail-open on the engine, never on the ledger): what vLLM
-        reported long ago no longer means anything."""
+    @staticmethod
+    def _future_peak(pool: Pool, extra: Sequence[Reservation], *, worst_case: bool = False) -> int:
+        ledger = pool.ledger
+        return future_peak(ledger.trajectories(extra, worst_case=worst_case), ledger.blocks)
+
+    def committed_blocks(self, peak: int | None = None, pool: Pool | None = None) -> int:
+        """Blocks spoken for (``peak``: the future peak, when already computed), in one pool or
+        in all. On stale engine data, the ledger alone (fail-open on the engine, never on the
+        ledger): what vLLM reported long ago no longer means anything."""
+        if pool is None:
+            if len(self.pools) == 1:
+                return self.committed_blocks(peak, self.pools[0])
+            return sum(self.committed_blocks(None, p) for p in self.pools)
         if peak is None:
-            peak = self.future_peak_blocks()
+            peak = self._future_peak(pool, ())
         if self.is_stale():
             return peak
-        committed = peak + self.engine.external_blocks
-        snap = self.engine.snapshot
+        committed = peak + pool.view.external_blocks
+        snap = pool.view.snapshot
         if snap is not None and snap.used_blocks is not None:
             committed = max(committed, snap.used_blocks)
         return committed
@@ -169,30 +266,35 @@ class AdmissionController:
             return projection.max_tokens
         return tuple(self.learner.end(klass, m) for m in projection.max_tokens)
 
-    def _fits(self, candidate: Reservation) -> bool:
-        budget = self.budget_blocks()
+    def _fits(self, pool: Pool, candidate: Reservation) -> bool:
+        budget = self.budget_blocks(pool)
         if budget is None:
             return True  # nothing known yet (fail-open start-up): vLLM is the only judge
+        ledger = pool.ledger
         if self.reservation_mode is ReservationMode.worst_case and candidate.projection.exact:
             # The sum of the reserved peaks bounds the future peak from above (each request's
             # trajectory never holds more than its peak): when even that fits, the trajectories
             # need not be laid out. Not in expected mode, where an answer past its expected end
             # is expected to grow beyond what it reserved.
-            if self._committed_fits(self.ledger.reserved_blocks, candidate, budget):
+            if self._committed_fits(pool, ledger.reserved_blocks, candidate, budget):
                 return True
-        peak = self.future_peak_blocks(candidate)
+        peak = self._future_peak(pool, (candidate,))
         if not candidate.projection.exact:
             # an upper-bound estimate must not make a request unrunnable: one over the budget
             # runs when nothing else does
-            alone = future_peak(
-                self.ledger.trajectories([candidate], in_flight=False), self.ledger.blocks
-            )
+            alone = future_peak(ledger.trajectories([candidate], in_flight=False), ledger.blocks)
             if alone > budget:
-                return len(self.ledger) == 0 and self.engine.external_blocks == 0
-        return self._committed_fits(peak, candidate, budget, with_candidate=True)
+                return len(ledger) == 0 and pool.view.external_blocks == 0
+        return self._committed_fits(pool, peak, candidate, budget, with_candidate=True)
 
     def _committed_fits(
-        self, peak: int, candidate: Reservation, budget: int, *, with_candidate: bool = False
+        self,
+        pool: Pool,
+        peak: int,
+        candidate: Reservation,
+        budget: int,
+        *,
+        with_candidate: bool = False,
     ) -> bool:
         """``peak`` (of the requests in flight, and the candidate's when ``with_candidate``)
         with what vLLM holds beyond the ledger, and the candidate's prompt beside what vLLM holds
@@ -201,40 +303,67 @@ class AdmissionController:
             peak += candidate.reserved_blocks
         if self.is_stale():
             return peak <= budget
-        committed = peak + self.engine.external_blocks
-        snap = self.engine.snapshot
+        committed = peak + pool.view.external_blocks
+        snap = pool.view.snapshot
         if snap is not None and snap.used_blocks is not None:
             committed = max(committed, snap.used_blocks + candidate.projection.prompt_blocks)
         return committed <= budget
 
-    # --- deciding ---------------------------------------------------------------------------
+    # --- placing ----------------------------------------------------------------------------
 
-    def _candidate(
-        self,
-        projection: Projection,
-        streamed: bool,
-        klass: str,
-        prefix: tuple[BlockHashes, ...] | None,
-    ) -> Reservation:
-        return self.ledger.candidate(
-            projection,
-            streamed=streamed,
-            ends=self.ends(projection, klass),
-            prefix=prefix,
-            klass=klass,
+    def _candidate(self, pool: Pool, ask: Ask) -> Reservation:
+        return pool.ledger.candidate(
+            ask.projection,
+            streamed=ask.streamed,
+            ends=self.ends(ask.projection, ask.klass),
+            prefix=ask.prefix,
+            klass=ask.klass,
         )
 
-    def _admit(self, candidate: Reservation) -> Reservation:
-        self.retry.admitted()
-        return self.ledger.add(candidate)
+    def _eligible(self, ask: Ask) -> list[Pool]:
+        """The pools the request may run in: the one its client pinned, else all, the one with
+        the most room first (vLLM's coordinator spreads load the same way)."""
+        if ask.pin is not None:
+            return [p for p in self.pools if p.engine == ask.pin] or self.pools[:1]
+        if len(self.pools) == 1:
+            return self.pools
+        return sorted(
+            self.pools,
+            key=lambda p: (self.budget_blocks(p) or 0) - self.committed_blocks(None, p),
+            reverse=True,
+        )
 
-    def _refuse(
-        self, reason: Reason, message: str, candidate: Reservation, waited: float = 0.0
-    ) -> Decision:
+    def _place(self, ask: Ask) -> tuple[Pool, Reservation, list[tuple[Pool, Reservation]]] | None:
+        """The pool (and candidate) the request fits in now, with its shadows (an unpinnable
+        request on several engines must fit in every pool); None when it fits nowhere."""
+        pools = self._eligible(ask)
+        if ask.pin is None and not ask.pinnable and len(pools) > 1:
+            placed = [(p, self._candidate(p, ask)) for p in pools]
+            if all(self._fits(p, c) for p, c in placed):
+                return placed[0][0], placed[0][1], placed[1:]
+            return None
+        for pool in pools:
+            candidate = self._candidate(pool, ask)
+            if self._fits(pool, candidate):
+                return pool, candidate, []
+        return None
+
+    def _admit(
+        self, pool: Pool, candidate: Reservation, shadows: list[tuple[Pool, Reservation]]
+    ) -> Reservation:
+        pool.retry.admitted()
+        res = pool.ledger.add(candidate)
+        res.engine = pool.engine
+        for other, shadow in shadows:
+            other.ledger.add(shadow).engine = other.engine
+            res.shadows.append(shadow)
+        return res
+
+    def _refuse(self, reason: Reason, message: str, ask: Ask, waited: float = 0.0) -> Decision:
         return Decision(
             Outcome.REJECT,
             reason,
-            retry_after=self.retry_after(candidate),
+            retry_after=self.retry_after(ask),
             message=message,
             waited_seconds=waited,
         )
@@ -249,6 +378,8 @@ class AdmissionController:
             waited_seconds=waited,
         )
 
+    # --- deciding ---------------------------------------------------------------------------
+
     def try_admit(
         self,
         projection: Projection,
@@ -256,6 +387,8 @@ class AdmissionController:
         streamed: bool,
         klass: str = "",
         prefix: tuple[BlockHashes, ...] | None = None,
+        pin: str | None = None,
+        pinnable: bool = True,
     ) -> Decision | None:
         """Decide at once; None means "queue it" (the caller then awaits :meth:`wait`)."""
         if self.draining:
@@ -268,33 +401,38 @@ class AdmissionController:
                 retry_after=MIN_RETRY_AFTER,
                 message="vLLM's metrics are stale; refusing (stale policy closed)",
             )
-        candidate = self._candidate(projection, streamed, klass, prefix)
-        budget = self.budget_blocks()
+        ask = Ask(projection, streamed, klass, prefix, pin, pinnable)
         if self.policy is Policy.observe:
             # dry run: account for everything, gate nothing
-            reason = Reason.FITS if not self._queue and self._fits(candidate) else Reason.OBSERVED
-            return Decision(Outcome.ADMIT, reason, reservation=self._admit(candidate))
+            placed = None if self._queue else self._place(ask)
+            if placed is None:
+                pool = self._eligible(ask)[0]
+                return Decision(
+                    Outcome.ADMIT,
+                    Reason.OBSERVED,
+                    reservation=self._admit(pool, self._candidate(pool, ask), []),
+                )
+            return Decision(Outcome.ADMIT, Reason.FITS, reservation=self._admit(*placed))
+        budgets = [self.budget_blocks(p) for p in self._eligible(ask)]
+        budget = None if None in budgets else max(b for b in budgets if b is not None)
         if budget is not None and projection.exact and projection.peak_blocks > budget:
             return Decision(
                 Outcome.REJECT,
                 Reason.TOO_LARGE,
                 message=(
                     f"this request can reach {projection.peak_blocks} KV blocks "
-                    f"({projection.peak_tokens} tokens) but the KV budget is {budget} blocks; "
-                    "it can never run: lower max_tokens, n or the prompt"
+                    f"({projection.peak_tokens} tokens) but the KV budget is {budget} blocks"
+                    + (" per engine" if len(self.pools) > 1 else "")
+                    + "; it can never run: lower max_tokens, n or the prompt"
                 ),
             )
-        if not self._queue and self._fits(candidate):
+        if not self._queue and (placed := self._place(ask)) is not None:
             reason = Reason.STALE_OPEN if stale else Reason.FITS
-            return Decision(Outcome.ADMIT, reason, reservation=self._admit(candidate))
+            return Decision(Outcome.ADMIT, reason, reservation=self._admit(*placed))
         if self.policy is Policy.reject:
-            return self._refuse(
-                Reason.KV_CACHE_FULL, "the KV cache is full; retry later", candidate
-            )
+            return self._refuse(Reason.KV_CACHE_FULL, "the KV cache is full; retry later", ask)
         if len(self._queue) >= self.max_queue_depth:
-            return self._refuse(
-                Reason.QUEUE_FULL, "the admission queue is full; retry later", candidate
-            )
+            return self._refuse(Reason.QUEUE_FULL, "the admission queue is full; retry later", ask)
         return None
 
     async def wait(
@@ -305,11 +443,13 @@ class AdmissionController:
         cancelled: asyncio.Event | None = None,
         klass: str = "",
         prefix: tuple[BlockHashes, ...] | None = None,
+        pin: str | None = None,
+        pinnable: bool = True,
     ) -> Decision:
         """Queue a request until it fits, its wait runs out, or ``cancelled`` is set."""
         loop = asyncio.get_running_loop()
-        candidate = self._candidate(projection, streamed, klass, prefix)
-        waiter = _Waiter(candidate, self._clock(), loop.create_future())
+        ask = Ask(projection, streamed, klass, prefix, pin, pinnable)
+        waiter = _Waiter(ask, self._clock(), loop.create_future())
         self._queue.append(waiter)
         self._queued_peak_blocks += projection.peak_blocks
         watch: asyncio.Task[bool] | None = (
@@ -341,7 +481,7 @@ class AdmissionController:
         return self._refuse(
             Reason.QUEUE_TIMEOUT,
             f"waited {waited:.1f}s for KV cache without room; retry later",
-            waiter.candidate,
+            ask,
             waited,
         )
 
@@ -349,41 +489,41 @@ class AdmissionController:
         """Remove a waiter that is done waiting; an admission it missed is handed back."""
         if waiter in self._queue:
             self._queue.remove(waiter)
-            self._queued_peak_blocks -= waiter.candidate.projection.peak_blocks
+            self._queued_peak_blocks -= waiter.ask.projection.peak_blocks
             if not waiter.future.done():
                 waiter.future.cancel()
             self.pump()  # the head may have changed
 
     def pump(self) -> None:
         """Admit queued requests from the head while they fit (draining too: queued requests
-        that can still start do; the rest wait out their deadline)."""
+        that can still start do; the rest wait out their deadline). Candidates are made afresh
+        each time: the learned lengths and the pools' room move while a request waits."""
         while self._queue:
             head = self._queue[0]
             if head.future.done():  # its waiter gave up in this very tick
                 self._queue.popleft()
-                self._queued_peak_blocks -= head.candidate.projection.peak_blocks
+                self._queued_peak_blocks -= head.ask.projection.peak_blocks
                 continue
             if self.stale_policy is StalePolicy.closed and self.is_stale():
                 return  # wait for fresh engine data (or the deadline)
-            if self.reservation_mode is ReservationMode.expected:
-                # the learned lengths move while a request waits: reserve what they say now
-                cand = head.candidate
-                head.candidate = self._candidate(
-                    cand.projection, cand.streamed, cand.klass, cand.prefix
-                )
-            if not self._fits(head.candidate):
+            placed = self._place(head.ask)
+            if placed is None:
                 return
             self._queue.popleft()
-            self._queued_peak_blocks -= head.candidate.projection.peak_blocks
-            head.future.set_result(self._admit(head.candidate))
+            self._queued_peak_blocks -= head.ask.projection.peak_blocks
+            head.future.set_result(self._admit(*placed))
 
     def started(self, res: Reservation) -> None:
         """vLLM holds the request's prompt now (its first token came, or it was handed over)."""
-        self.ledger.start(res)
+        self._pool_of(res).ledger.start(res)
+        for shadow in res.shadows:
+            self._pool_of(shadow).ledger.start(shadow)
 
     def progressed(self, res: Reservation, generated_per_sequence: float) -> None:
         """The request has generated this many tokens per sequence."""
-        self.ledger.advance(res, generated_per_sequence)
+        self._pool_of(res).ledger.advance(res, generated_per_sequence)
+        for shadow in res.shadows:
+            self._pool_of(shadow).ledger.advance(shadow, generated_per_sequence)
 
     def release(self, res: Reservation) -> None:
         """The request is over (answered, failed or abandoned). Idempotent."""
@@ -393,32 +533,47 @@ class AdmissionController:
             self.learner.observe(
                 res.klass, res.completion_tokens // max(res.projection.sequences, 1)
             )
-        self.ledger.release(res)
+        for one in (res, *res.shadows):
+            pool = self._pool_of(one)
+            pool.ledger.release(one)
+            if not len(pool.ledger) and self._retired.get(one.engine) is pool:
+                del self._retired[one.engine]
         self.pump()
 
     # --- Retry-After ------------------------------------------------------------------------
 
-    def retry_after(self, candidate: Reservation) -> float:
-        """Seconds until ``candidate`` would fit, from the trajectories (or, without a measured
-        step time, from the recent release rate)."""
-        ahead = [w.candidate for w in self._queue if w.candidate is not candidate]
-        return self.retry.plan(
+    def retry_after(self, ask: Ask) -> float:
+        """Seconds until the request would fit, from the trajectories (or, without a measured
+        step time, from the recent release rate): the soonest pool's, booked there."""
+        pools = self._eligible(ask)
+        if len(pools) == 1:
+            return self._retry_in(pools[0], ask, book=True)
+        soonest = min(pools, key=lambda p: self._retry_in(p, ask, book=False))
+        return self._retry_in(soonest, ask, book=True)
+
+    def _retry_in(self, pool: Pool, ask: Ask, *, book: bool) -> float:
+        candidate = self._candidate(pool, ask)
+        ahead = [self._candidate(pool, w.ask) for w in self._queue if w.ask is not ask]
+        return pool.retry.plan(
             candidate,
             ahead=ahead,
-            budget_blocks=self.budget_blocks(),
-            external_blocks=self.engine.external_blocks,
-            seconds_per_step=self.engine.seconds_per_step,
-            fallback=lambda: self._release_rate_estimate(candidate, ahead),
+            budget_blocks=self.budget_blocks(pool),
+            external_blocks=pool.view.external_blocks,
+            seconds_per_step=pool.view.seconds_per_step,
+            fallback=lambda: self._release_rate_estimate(pool, candidate, ahead),
+            book=book,
         )
 
-    def _release_rate_estimate(self, candidate: Reservation, ahead: list[Reservation]) -> float:
-        budget = self.budget_blocks() or 0
-        need = self.future_peak_blocks(*ahead, candidate) + self.engine.external_blocks
+    def _release_rate_estimate(
+        self, pool: Pool, candidate: Reservation, ahead: list[Reservation]
+    ) -> float:
+        budget = self.budget_blocks(pool) or 0
+        need = self._future_peak(pool, (*ahead, candidate)) + pool.view.external_blocks
         deficit = max(1, need - budget)
-        rate = self.ledger.freed_blocks_per_second()
+        rate = pool.ledger.freed_blocks_per_second()
         if rate > 0:
             return deficit / rate
-        hold = self.ledger.mean_hold_seconds
+        hold = pool.ledger.mean_hold_seconds
         return hold / 2 if hold is not None else 2.0
 
     # --- state for the exporter ---------------------------------------------------------------
@@ -428,32 +583,47 @@ class AdmissionController:
         return len(self._queue)
 
     def state(self) -> KVState:
-        snap = self.engine.snapshot
-        at_snapshot = self.engine.at_snapshot
-        peak = self.future_peak_blocks()
-        worst = (
-            peak
-            if self.reservation_mode is ReservationMode.worst_case
-            else self.future_peak_blocks(worst_case=True)
-        )
+        """The figures summed over the pools."""
+        snap = self._snapshot
+        worst_case = self.reservation_mode is ReservationMode.worst_case
+        peak = committed = worst = reserved = predicted = shared = peaks = in_flight = 0
+        at_predicted: int | None = 0
+        at_in_flight = 0
+        for pool in self.pools:
+            ledger = pool.ledger
+            pool_peak = self._future_peak(pool, ())
+            peak += pool_peak
+            worst += pool_peak if worst_case else self._future_peak(pool, (), worst_case=True)
+            committed += self.committed_blocks(pool_peak, pool)
+            reserved += ledger.reserved_blocks
+            predicted += ledger.predicted_blocks
+            shared += ledger.shared_blocks_now()
+            peaks += ledger.peak_blocks
+            in_flight += len(ledger)
+            at = pool.view.at_snapshot
+            if at is None or at_predicted is None:
+                at_predicted = None
+            else:
+                at_predicted += at[0]
+                at_in_flight += at[1]
         return KVState(
-            capacity_blocks=self.engine.capacity_blocks,
+            capacity_blocks=self.capacity_blocks,
             budget_blocks=self.budget_blocks(),
-            reserved_blocks=self.ledger.reserved_blocks,
+            reserved_blocks=reserved,
             future_peak_blocks=peak,
             worst_case_peak_blocks=worst,
-            predicted_blocks=self.ledger.predicted_blocks,
-            shared_blocks=self.ledger.shared_blocks_now(),
+            predicted_blocks=predicted,
+            shared_blocks=shared,
             actual_blocks=snap.used_blocks if snap is not None else None,
-            external_blocks=self.engine.external_blocks,
-            committed_blocks=self.committed_blocks(peak),
-            peak_blocks_in_flight=self.ledger.peak_blocks,
+            external_blocks=self.external_blocks,
+            committed_blocks=committed,
+            peak_blocks_in_flight=peaks,
             peak_blocks_queued=self._queued_peak_blocks,
-            in_flight=len(self.ledger),
+            in_flight=in_flight,
             queue_depth=len(self._queue),
             snapshot_age=snap.age(self._clock()) if snap is not None else math.inf,
-            predicted_at_snapshot_blocks=at_snapshot[0] if at_snapshot else None,
-            in_flight_at_snapshot=at_snapshot[1] if at_snapshot else 0,
+            predicted_at_snapshot_blocks=at_predicted,
+            in_flight_at_snapshot=at_in_flight,
         )
 
     def fail_queue(self) -> None:

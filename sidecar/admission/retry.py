@@ -67,9 +67,11 @@ class RetryPlanner:
         external_blocks: int,
         seconds_per_step: float | None,
         fallback: Callable[[], float],
+        book: bool = True,
     ) -> float:
         """Seconds until ``candidate`` would fit, after ``ahead`` (queued before it) and the
-        requests refused before it; books that slot."""
+        requests refused before it; books that slot (unless ``book`` is False: a what-if, for
+        choosing among several engines' pools)."""
         if budget_blocks is None or seconds_per_step is None or seconds_per_step <= 0:
             return _clamp(fallback())
         now = self._clock()
@@ -84,7 +86,7 @@ class RetryPlanner:
         # a little late rather than early: the requests that make room must have ended and
         # been released when the client comes back, however the step time wavers
         seconds = _clamp(max(steps, 1) * seconds_per_step * _LATE_SHARE + _LATE_S)
-        if len(self._bookings) < MAX_BOOKINGS:
+        if book and len(self._bookings) < MAX_BOOKINGS:
             grace = max(_MIN_GRACE_S, _GRACE_SHARE * seconds)
             self._bookings.append(_Booking(own, now + seconds, now + seconds + grace))
         return seconds

@@ -14,8 +14,12 @@ Tolerance rules, because the exposition changes between vLLM versions:
 * older names are accepted when the new one is absent (``vllm:gpu_cache_usage_perc`` for
   ``vllm:kv_cache_usage_perc``);
 * unknown labels are ignored, missing optional labels and values such as ``"None"`` read as None;
-* several engines (data parallel, label ``engine``) are summed; KV usage is weighted by each
-  engine's usable blocks.
+* several engines (data parallel, label ``engine``) each have their own pool: the snapshot
+  keeps one :class:`EngineSnapshot` per engine (``per_engine``) besides their sum. vLLM 0.32
+  labels every engine's ``cache_config_info`` with the *sum* of the engines' blocks (its
+  client adds each engine's ``num_gpu_blocks`` into the one shared cache config,
+  ``v1/engine/core_client.py``), so each engine's pool is that figure over the engine count;
+  the summed KV usage is weighted by each engine's usable blocks.
 
 Anything unusable raises :class:`MetricsParseError` (a one-line message) and nothing else.
 Text that is valid but lacks ``vllm:cache_config_info`` still gives a snapshot, with
@@ -97,7 +101,8 @@ _NO_ENGINE = ""
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """What vLLM reported at one scrape, summed over its engines.
+    """What vLLM reported at one scrape, summed over its engines (``per_engine`` keeps each
+    data-parallel engine's own figures; it is empty when vLLM runs one engine).
 
     Block counts follow vLLM's allocator: each engine keeps one null block out of its
     ``num_gpu_blocks``, and ``kv_cache_usage_perc = 1 - free / (num_gpu_blocks - 1)``.
@@ -117,6 +122,13 @@ class EngineSnapshot:
     has_cache_config: bool
     inter_token_latency_sum: float = 0.0  # seconds between consecutive tokens of a request,
     inter_token_latency_count: float = 0.0  # summed and counted: a decode step's duration
+    engine: str = ""  # vLLM's ``engine`` label, in a per-engine snapshot
+    per_engine: tuple[EngineSnapshot, ...] = ()  # data parallel: one per engine, in rank order
+
+    @property
+    def pools(self) -> tuple[EngineSnapshot, ...]:
+        """One snapshot per KV pool: each engine's, or this one when vLLM runs one engine."""
+        return self.per_engine or (self,)
 
     @property
     def capacity_blocks(self) -> int | None:
@@ -181,13 +193,20 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
                 _add(old.setdefault(_OLD_NAMES[short], {}), sample.labels, sample.value)
             elif short in _WANTED:
                 _add(by_name.setdefault(short, {}), sample.labels, sample.value)
-    for name, per_engine in old.items():
-        by_name.setdefault(name, per_engine)
+    for name, samples_by_engine in old.items():
+        by_name.setdefault(name, samples_by_engine)
 
     config = by_name.get(_CACHE_CONFIG, {})
-    engines = {e for samples in by_name.values() for e in samples} - {_NO_ENGINE}
+    engines = sorted(
+        {e for samples in by_name.values() for e in samples} - {_NO_ENGINE}, key=_rank_order
+    )
     first_config = next(iter(config.values())).labels if config else {}
-    blocks_per_engine = {e: _label_int(s.labels, "num_gpu_blocks") for e, s in config.items()}
+    blocks_per_engine = _blocks_per_engine(config, engines)
+    per_engine: tuple[EngineSnapshot, ...] = ()
+    if len(engines) > 1:
+        per_engine = tuple(
+            _engine_snapshot(by_name, e, blocks_per_engine, first_config, taken_at) for e in engines
+        )
     num_gpu_blocks: int | None = None
     if blocks_per_engine and None not in blocks_per_engine.values():
         num_gpu_blocks = sum(b for b in blocks_per_engine.values() if b is not None)
@@ -207,6 +226,54 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         prefix_caching=_label_bool(first_config, "enable_prefix_caching"),
         kv_cache_memory_bytes=_label_int(first_config, "kv_cache_memory_bytes"),
         has_cache_config=bool(config),
+        per_engine=per_engine,
+    )
+
+
+def _rank_order(engine: str) -> tuple[int, str]:
+    return (int(engine), "") if engine.isdigit() else (1 << 30, engine)
+
+
+def _blocks_per_engine(config: Mapping[str, _Sample], engines: list[str]) -> dict[str, int | None]:
+    """Each engine's ``num_gpu_blocks``. With several engines vLLM labels every one with their
+    sum (all engines of a server share one cache config, into which its client adds each
+    engine's count), so each engine's pool is the sum over the engine count (engines of one
+    server have the same pool: same model, same memory settings)."""
+    labelled = {e: _label_int(s.labels, "num_gpu_blocks") for e, s in config.items()}
+    if len(engines) <= 1 or None in labelled.values() or len(labelled) != len(engines):
+        return labelled
+    total = max(b for b in labelled.values() if b is not None)
+    return dict.fromkeys(labelled, total // len(engines))
+
+
+def _engine_snapshot(
+    by_name: Mapping[str, Mapping[str, _Sample]],
+    engine: str,
+    blocks_per_engine: Mapping[str, int | None],
+    config: Mapping[str, str],
+    taken_at: float,
+) -> EngineSnapshot:
+    def value(name: str) -> float:
+        sample = by_name.get(name, {}).get(engine)
+        return sample.value if sample is not None else 0.0
+
+    usage = by_name.get(_KV_USAGE, {}).get(engine)
+    return EngineSnapshot(
+        taken_at=taken_at,
+        block_size=_label_int(config, "block_size"),
+        num_gpu_blocks=blocks_per_engine.get(engine),
+        engines=1,
+        kv_cache_usage=_clamp01(usage.value) if usage is not None else None,
+        running=round(value(_RUNNING)),
+        preemptions_total=value(_PREEMPTIONS),
+        generation_tokens_total=value(_GENERATION_TOKENS),
+        inter_token_latency_sum=value(_ITL_SUM),
+        inter_token_latency_count=value(_ITL_COUNT),
+        cache_dtype=_label_str(config, "cache_dtype"),
+        prefix_caching=_label_bool(config, "enable_prefix_caching"),
+        kv_cache_memory_bytes=_label_int(config, "kv_cache_memory_bytes"),
+        has_cache_config=bool(config),
+        engine=engine,
     )
 
 

@@ -34,6 +34,8 @@ class Gate(Protocol):
         streamed: bool,
         klass: str = "",
         prefix: tuple[BlockHashes, ...] | None = None,
+        pin: str | None = None,
+        pinnable: bool = True,
     ) -> Decision | None: ...
 
     async def wait(
@@ -44,6 +46,8 @@ class Gate(Protocol):
         cancelled: asyncio.Event | None = None,
         klass: str = "",
         prefix: tuple[BlockHashes, ...] | None = None,
+        pin: str | None = None,
+        pinnable: bool = True,
     ) -> Decision: ...
 
     def started(self, reservation: Reservation) -> None: ...
@@ -76,6 +80,8 @@ class MetricsSink(Protocol):
     def decision_time(self, seconds: float) -> None: ...
 
     def queue_waited(self, seconds: float) -> None: ...
+
+    def answered(self, seconds: float) -> None: ...
 
     def decided(self, decision: Decision) -> None: ...
 

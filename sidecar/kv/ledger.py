@@ -58,6 +58,10 @@ class Reservation:
     estimated: float = 0.0  # answer showed and its share of vLLM's generated tokens
     completion_tokens: int | None = None  # exact, when vLLM's answer reported usage
     released: bool = field(default=False)
+    engine: str = ""  # the data-parallel engine (its pool) the request was admitted on
+    #: the same request reserved in the other engines' pools, when it cannot be sent to one
+    #: engine (vLLM's coordinator then picks, and it may pick any)
+    shadows: list[Reservation] = field(default_factory=list)
 
     @property
     def peak_blocks(self) -> int:
