@@ -25,6 +25,7 @@ import httpx
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from sidecar.admission import lengths_file
 from sidecar.admission.controller import AdmissionController
 from sidecar.config import Settings
 from sidecar.counting import PromptCounter
@@ -43,6 +44,9 @@ from sidecar.kv.ledger import Ledger
 from sidecar.observability.exporter import Metrics
 
 log = logging.getLogger("sidecar")
+
+#: seconds between writes of --lengths-file (and one at shutdown)
+LENGTHS_SAVE_INTERVAL = 30.0
 
 OWN_CONNECTIONS = 64  # the sidecar's own calls: scrapes, /health, discovery, /tokenize
 
@@ -175,6 +179,8 @@ class Sidecar:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._discovery: asyncio.Task[None] | None = None
         self._health: asyncio.Task[None] | None = None
+        self._lengths: asyncio.Task[None] | None = None
+        self._lengths_loaded = False
 
     # --- readiness ----------------------------------------------------------------------------
 
@@ -222,14 +228,17 @@ class Sidecar:
         self.scraper.start()
         self._discovery = asyncio.ensure_future(self._discover_forever())
         self._health = asyncio.ensure_future(self._check_health_forever())
+        if self.settings.lengths_file is not None:
+            self._lengths = asyncio.ensure_future(self._save_lengths_forever())
 
     async def stop(self) -> None:
-        for task in (self._discovery, self._health):
+        for task in (self._discovery, self._health, self._lengths):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.scraper.stop()
+        self._save_lengths()
         if self.engine is not None:
             self.engine.counter.close()  # type: ignore[attr-defined]
         await self.transport.aclose()
@@ -311,6 +320,22 @@ class Sidecar:
             self.vllm_healthy = healthy
             await asyncio.sleep(self.settings.scrape_interval)
 
+    # --- learned lengths across restarts ------------------------------------------------------
+
+    def _save_lengths(self) -> None:
+        path, engine = self.settings.lengths_file, self.engine
+        if path is None or engine is None:
+            return
+        try:
+            lengths_file.save(path, self.admission.learner, model=engine.config.model)
+        except OSError as exc:
+            log.warning("could not write the lengths file %s: %s", path, exc)
+
+    async def _save_lengths_forever(self) -> None:
+        while True:
+            await asyncio.sleep(LENGTHS_SAVE_INTERVAL)
+            self._save_lengths()
+
     # --- discovery ----------------------------------------------------------------------------
 
     async def _discover_forever(self, retire: Engine | None = None) -> None:
@@ -360,6 +385,13 @@ class Sidecar:
         local = await counter.wait_ready()
         # vLLM's prefix caching (on unless its cache config says off) holds shared blocks once
         self.admission.configure(config.blocks, share_prefixes=config.prefix_caching is not False)
+        if self.settings.lengths_file is not None and not self._lengths_loaded:
+            self._lengths_loaded = True
+            restored = lengths_file.load(
+                self.settings.lengths_file, self.admission.learner, model=config.model
+            )
+            if restored:
+                log.info("restored %d answer lengths from %s", restored, self.settings.lengths_file)
         self.engine = Engine(config=config, counter=counter)
         self.admission.on_snapshot(snap)
         log.info(

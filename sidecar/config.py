@@ -98,6 +98,10 @@ class Settings(BaseSettings):
     """Quantile of a request class's answer lengths reserved in expected mode."""
     expected_prior: float = Field(default=1.0, gt=0, le=1)
     """Share of max_tokens reserved in expected mode while a class has too few answers."""
+    lengths_file: Path | None = None
+    """JSON file the learned answer lengths are kept in across restarts (put it on a volume that
+    outlives the container, e.g. an emptyDir): read at discovery when it is for the served
+    model, written every 30 s and at shutdown. Unset: a restart forgets them."""
     scrape_interval: float = Field(default=0.5, gt=0)
     """Seconds between scrapes of vLLM's /metrics."""
     metrics_stale_after: float = Field(default=5.0, gt=0)

@@ -141,6 +141,24 @@ class LengthLearner:
             base += math.ceil(boost * (max_tokens - base))
         return min(max_tokens, max(1, base))
 
+    def export(self) -> dict[str, list[int]]:
+        """Every class's recent lengths, oldest first (what :meth:`restore` takes back)."""
+        return {klass: list(lengths) for klass, lengths in self._lengths.items()}
+
+    def restore(self, classes: dict[str, list[int]]) -> int:
+        """Take back lengths that :meth:`export` gave (a restarted sidecar's cold start);
+        returns the lengths taken. Lengths already observed stay, newest last."""
+        taken = 0
+        for klass, lengths in list(classes.items())[-MAX_CLASSES:]:
+            seen = list(self._lengths.get(klass, ()))
+            self._lengths.pop(klass, None)
+            for length in lengths:
+                self.observe(klass, length)
+                taken += 1
+            for length in seen:
+                self.observe(klass, length)
+        return taken
+
     def classes(self) -> dict[str, int | None]:
         """Every class seen and its learned length (None: still on the prior)."""
         return {klass: self.learned(klass) for klass in self._lengths}
