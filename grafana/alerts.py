@@ -13,7 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from grafana.promql import REFUSED_429_MATCHERS, rate, selector
+from grafana.promql import (
+    CPU_SATURATION_SHARE,
+    EVENT_LOOP_CORES,
+    REFUSED_429_MATCHERS,
+    cpu_share,
+    rate,
+    selector,
+)
 
 GROUP = "kv-sidecar"
 
@@ -43,6 +50,10 @@ ESTIMATE_SHARE = 0.05
 #: counter moves once and the alert resolves this long after, although the shape stays on
 #: /tokenize until the sidecar restarts.
 PROMPT_COUNT_MISMATCH_MINUTES = 30
+#: Minutes of CPU use above CPU_SATURATION_SHARE before KVSidecarCPUSaturated fires: long enough
+#: that a burst of long prompts to tokenize does not, short enough to catch a sidecar starved
+#: by a CPU limit set too low.
+CPU_SATURATION_MINUTES = 10
 
 
 @dataclass(frozen=True)
@@ -189,6 +200,23 @@ ALERTS: tuple[Alert, ...] = (
             "{{ $labels.shape }} prompts with /tokenize until it restarts (exact, but a round "
             "trip per request): its tokenizer or chat template does not render that shape as "
             "vLLM does."
+        ),
+    ),
+    Alert(
+        name="KVSidecarCPUSaturated",
+        expr=(
+            "max by (namespace, pod) (\n"
+            + cpu_share("process_cpu_seconds_total", "kv_sidecar_cpu_limit_cores", "5m")
+            + f"\n) > {CPU_SATURATION_SHARE}"
+        ),
+        for_=f"{CPU_SATURATION_MINUTES}m",
+        severity="warning",
+        summary="The sidecar uses nearly all the CPU it can: every request waits for it.",
+        description=(
+            f"{_WHERE}: the sidecar process has used {{{{ $value | humanizePercentage }}}} of "
+            f"the CPU it can use (its CPU limit, at most {EVENT_LOOP_CORES} core for its event "
+            f"loop) for {CPU_SATURATION_MINUTES} minutes. Counting, admission, the relay and its "
+            "scrapes of vLLM all wait for it: latency grows and its view of vLLM can go stale."
         ),
     ),
     Alert(

@@ -27,8 +27,8 @@ from grafana.dashboard import build_dashboard
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_JSON = ROOT / "grafana" / "kv-sidecar.json"
 ALERTS_YAML = ROOT / "grafana" / "alerts.yaml"
-DASHBOARD_CONFIGMAP = ROOT / "deploy" / "base" / "grafana-dashboard.yaml"
-PROMETHEUS_RULE = ROOT / "deploy" / "base" / "prometheus-rule.yaml"
+DASHBOARD_CONFIGMAP = ROOT / "deploy" / "monitoring" / "grafana-dashboard.yaml"
+PROMETHEUS_RULE = ROOT / "deploy" / "monitoring" / "prometheus-rule.yaml"
 
 DASHBOARD_CONFIGMAP_NAME = "kv-sidecar-dashboard"
 DASHBOARD_KEY = "kv-sidecar.json"

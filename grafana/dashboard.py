@@ -1,15 +1,21 @@
 """The Grafana dashboard: is admission keeping vLLM out of preemption, and at what cost?
 
-Built with grafana-foundation-sdk (typed builders for Grafana's dashboard schema) and returned as a
-plain JSON-ready dict. Rows, top to bottom: the verdict in six numbers; decisions beside vLLM's
-preemptions and running/waiting; the KV cache as predicted against what vLLM holds; reservations
-(the future peak admission checks, the sum of peaks, what shared prefixes and learned answer
-lengths save) and risk; refusals and the queue; vLLM's latency and throughput; the sidecar's
-health. The first three rows fit one screen and answer "is admission working?".
+Built with grafana-foundation-sdk (typed builders for Grafana's dashboard schema, wrapped in
+``panels.py``) and returned as a plain JSON-ready dict. Rows, top to bottom: the verdict in six
+numbers; decisions beside vLLM's preemptions, running and waiting requests; the KV cache as
+predicted against what vLLM holds; how prompts were counted and vLLM's prefix cache; latency
+through the sidecar; reservations (the future peak admission checks, the sum of peaks, what shared
+prefixes and learned answer lengths save) and risk; refusals and the queue; vLLM's latency and
+throughput; the sidecar's health. The first three rows fit one screen and answer "is admission
+working?".
 
-Sidecar series carry the ``namespace`` and ``pod`` labels the Prometheus scrape adds; vLLM's
-series, scraped from the same pod, also carry ``model_name``. Every query filters by the
-``$namespace`` and ``$pod`` variables, vLLM's also by ``$model``.
+Variables carry across dashboards: ``job``, ``instance``, ``model_name`` and ``engine`` are
+vLLM's own label values under the names vLLM's example dashboards use, so the "vLLM dashboards"
+link (every dashboard tagged ``vllm``, variables and time range kept) opens them on the same
+engines. Sidecar series carry the ``namespace`` and ``pod`` labels the Prometheus scrape adds and
+are filtered by ``$namespace`` and ``$pod``; vLLM's series, scraped from the same pods, are
+filtered by those and by ``$job``, ``$instance``, ``$model_name`` and ``$engine`` too (the
+sidecar's own job and instance are other targets than vLLM's).
 
 >>> build_dashboard()["uid"]
 'kv-sidecar'
@@ -19,33 +25,52 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders import dashboard as dashboard_builders
-from grafana_foundation_sdk.builders import gauge, prometheus, stat, timeseries
-from grafana_foundation_sdk.cog import variants
 from grafana_foundation_sdk.cog.builder import Builder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 
-from grafana.promql import REFUSED_429_MATCHERS, histogram_quantile, rate, selector
+from grafana.panels import (
+    DATASOURCE,
+    NO_TRAFFIC,
+    PanelBuilder,
+    Query,
+    Step,
+    gauge_panel,
+    stat_panel,
+    timeseries_panel,
+)
+from grafana.promql import (
+    CPU_SATURATION_SHARE,
+    REFUSED_429_MATCHERS,
+    cpu_share,
+    histogram_quantile,
+    rate,
+    selector,
+)
 
 UID = "kv-sidecar"
 TITLE = "vLLM KV sidecar: admission"
-
-DATASOURCE = dashboard_models.DataSourceRef(type_val="prometheus", uid="${datasource}")
+#: vLLM's example dashboards carry this tag; the dashboard link lists every dashboard with it.
+VLLM_DASHBOARD_TAG = "vllm"
 
 #: Matchers every sidecar query carries.
 SIDECAR_MATCHERS: tuple[str, ...] = ('namespace=~"$namespace"', 'pod=~"$pod"')
-#: Matchers every vLLM query carries.
-VLLM_MATCHERS: tuple[str, ...] = (*SIDECAR_MATCHERS, 'model_name=~"$model"')
+#: Matchers every vLLM query carries: the pods, then vLLM's own labels.
+VLLM_MATCHERS: tuple[str, ...] = (
+    *SIDECAR_MATCHERS,
+    'job=~"$job"',
+    'instance=~"$instance"',
+    'model_name=~"$model_name"',
+    'engine=~"$engine"',
+)
 #: Grafana's rate window: at least four scrape intervals whatever the zoom.
 RATE_WINDOW = "$__rate_interval"
-REF_IDS = "ABCDEFGH"
+#: Grafana's custom unit "count:<symbol>": 1.2K tok/s.
+TOKENS_PER_SECOND = "count:tok/s"
 
 #: Above this share of the KV pool the worst case of what vLLM runs is close to not fitting.
 OOM_RISK_WARN = 0.8
@@ -65,181 +90,23 @@ def vllm(metric: str, *matchers: str) -> str:
     return selector(metric, *VLLM_MATCHERS, *matchers)
 
 
-def quantile(q: float, bucket_series: str) -> str:
-    """One quantile of a histogram over the selected pods."""
-    return histogram_quantile(q, bucket_series, RATE_WINDOW)
+def quantile(q: float, bucket_series: str, by: tuple[str, ...] = ()) -> str:
+    """One quantile of a histogram over the selected pods (per ``by`` label values)."""
+    return histogram_quantile(q, bucket_series, RATE_WINDOW, by)
+
+
+def duration(q: float, bucket_series: str, by: tuple[str, ...] = ()) -> str:
+    """A quantile of a histogram of durations, without the NaN of a window with no observation:
+    a panel with nothing to draw then shows its "no value" text rather than a blank chart.
+
+    >>> duration(0.5, "x_bucket")
+    'histogram_quantile(0.5, sum by (le) (rate(x_bucket[$__rate_interval]))) >= 0'
+    """
+    return f"{quantile(q, bucket_series, by)} >= 0"
 
 
 def per_second(series: str) -> str:
     return rate(series, RATE_WINDOW)
-
-
-PanelBuilder = timeseries.Panel | stat.Panel | gauge.Panel
-
-
-@dataclass(frozen=True)
-class Query:
-    """One PromQL expression of a panel and how its series are named in the legend."""
-
-    expr: str
-    legend: str = ""
-
-
-@dataclass(frozen=True)
-class Step:
-    """A threshold: from ``value`` upwards (None: from -Inf) the colour is ``color``."""
-
-    value: float | None
-    color: str
-
-
-def _targets(queries: Sequence[Query]) -> list[Builder[variants.Dataquery]]:
-    if not 1 <= len(queries) <= len(REF_IDS):
-        raise ValueError(f"a panel has 1 to {len(REF_IDS)} queries, not {len(queries)}")
-    targets: list[Builder[variants.Dataquery]] = []
-    for ref_id, query in zip(REF_IDS, queries, strict=False):
-        target = (
-            prometheus.Dataquery()
-            .ref_id(ref_id)
-            .datasource(DATASOURCE)
-            .expr(query.expr)
-            .legend_format(query.legend or "__auto")
-        )
-        targets.append(target.range())
-    return targets
-
-
-def _thresholds(steps: Sequence[Step]) -> dashboard_builders.ThresholdsConfig:
-    return (
-        dashboard_builders.ThresholdsConfig()
-        .mode(dashboard_models.ThresholdsMode.ABSOLUTE)
-        .steps([dashboard_models.Threshold(value=s.value, color=s.color) for s in steps])
-    )
-
-
-def timeseries_panel(
-    title: str,
-    description: str,
-    unit: str,
-    queries: Sequence[Query],
-    *,
-    width: int = 8,
-    height: int = 8,
-    stacked: bool = False,
-    threshold_line: float | None = None,
-    min_value: float | None = None,
-    max_value: float | None = None,
-    dashed: str | None = None,
-    no_data: str | None = None,
-) -> timeseries.Panel:
-    """A time series panel; ``dashed`` is a regex of series names drawn dashed (limits);
-    ``no_data`` replaces Grafana's "No data" where an empty panel has a known reason."""
-    panel = (
-        timeseries.Panel()
-        .title(title)
-        .description(description)
-        .datasource(DATASOURCE)
-        .targets(_targets(queries))
-        .unit(unit)
-        .span(width)
-        .height(height)
-        .line_width(1)
-        .fill_opacity(25 if stacked else 0)
-        .show_points(common.VisibilityMode.NEVER)
-        .legend(
-            common_builders.VizLegendOptions()
-            .show_legend(True)
-            .display_mode(common.LegendDisplayMode.LIST)
-            .placement(common.LegendPlacement.BOTTOM)
-        )
-        .tooltip(
-            common_builders.VizTooltipOptions()
-            .mode(common.TooltipDisplayMode.MULTI)
-            .sort(common.SortOrder.DESCENDING)
-        )
-    )
-    if stacked:
-        panel = panel.stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL))
-    if threshold_line is not None:
-        panel = panel.thresholds(
-            _thresholds([Step(None, "transparent"), Step(threshold_line, "red")])
-        ).thresholds_style(
-            common_builders.GraphThresholdsStyleConfig().mode(
-                common.GraphThresholdsStyleMode.DASHED
-            )
-        )
-    if min_value is not None:
-        panel = panel.min(min_value)
-    if max_value is not None:
-        panel = panel.max(max_value)
-    if dashed is not None:
-        panel = panel.override_by_regexp(
-            dashed,
-            [
-                dashboard_models.DynamicConfigValue(
-                    id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]}
-                )
-            ],
-        )
-    if no_data is not None:
-        panel = panel.no_value(no_data)
-    return panel
-
-
-def stat_panel(
-    title: str,
-    description: str,
-    unit: str,
-    query: Query,
-    steps: Sequence[Step],
-    *,
-    decimals: int = 2,
-) -> stat.Panel:
-    """A single number coloured by ``steps``, with its recent trend behind it."""
-    return (
-        stat.Panel()
-        .title(title)
-        .description(description)
-        .datasource(DATASOURCE)
-        .targets(_targets([query]))
-        .unit(unit)
-        .decimals(decimals)
-        .span(4)
-        .height(5)
-        .thresholds(_thresholds(steps))
-        .color_mode(common.BigValueColorMode.BACKGROUND)
-        .graph_mode(common.BigValueGraphMode.AREA)
-        .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]))
-    )
-
-
-def gauge_panel(
-    title: str,
-    description: str,
-    unit: str,
-    query: Query,
-    steps: Sequence[Step],
-    *,
-    min_value: float,
-    max_value: float,
-) -> gauge.Panel:
-    """A dial for a figure whose distance from zero matters in both directions."""
-    return (
-        gauge.Panel()
-        .title(title)
-        .description(description)
-        .datasource(DATASOURCE)
-        .targets(_targets([query]))
-        .unit(unit)
-        .decimals(1)
-        .min(min_value)
-        .max(max_value)
-        .span(4)
-        .height(5)
-        .thresholds(_thresholds(steps))
-        .show_threshold_markers(True)
-        .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]))
-    )
 
 
 # --- the figures -------------------------------------------------------------------------------
@@ -275,17 +142,19 @@ def _verdict_row() -> list[PanelBuilder]:
             "Should be 0: every preemption is work vLLM throws away because the KV pool ran dry "
             "mid-decode, the failure admission exists to prevent.",
             "short",
-            Query(PREEMPTIONS_PER_SECOND, "preemptions/s"),
+            [Query(PREEMPTIONS_PER_SECOND, "preemptions/s")],
             [Step(None, "green"), Step(0.001, "red")],
             decimals=3,
+            no_data="No vLLM scraped",
         ),
         stat_panel(
             "429 share",
             "Share of generation requests refused with 429 (kv_cache_full, queue_full, "
             "queue_timeout): the price paid for no preemption. High and sustained: add replicas.",
             "percentunit",
-            Query(SHARE_429, "429 share"),
+            [Query(SHARE_429, "429 share")],
             [Step(None, "green"), Step(0.05, "orange"), Step(0.1, "red")],
+            no_data=NO_TRAFFIC,
         ),
         stat_panel(
             "OOM risk ratio (max)",
@@ -293,8 +162,9 @@ def _verdict_row() -> list[PanelBuilder]:
             "requests in flight, plus traffic that bypasses it) over capacity. Above 1, vLLM "
             "preempts if all of it runs to max_tokens.",
             "percentunit",
-            Query(OOM_RISK_MAX, "OOM risk"),
+            [Query(OOM_RISK_MAX, "OOM risk")],
             [Step(None, "green"), Step(OOM_RISK_WARN, "orange"), Step(1, "red")],
+            no_data="No KV capacity known yet",
         ),
         gauge_panel(
             "Prediction error (share of capacity)",
@@ -311,20 +181,23 @@ def _verdict_row() -> list[PanelBuilder]:
             ],
             min_value=-0.25,
             max_value=0.25,
+            no_data="No prediction yet",
         ),
         stat_panel(
             "Queue wait p99",
             "99th percentile of the time queued requests waited for admission or refusal.",
             "s",
-            Query(quantile(0.99, sidecar("kv_sidecar_queue_wait_seconds_bucket")), "p99"),
+            [Query(duration(0.99, sidecar("kv_sidecar_queue_wait_seconds_bucket")), "p99")],
             [Step(None, "green"), Step(5, "orange"), Step(30, "red")],
+            no_data="Nothing queued",
         ),
         stat_panel(
             "vLLM time to first token p99",
             "vLLM's own TTFT: includes its internal queue, not the sidecar's.",
             "s",
-            Query(quantile(0.99, vllm("vllm:time_to_first_token_seconds_bucket")), "p99"),
+            [Query(duration(0.99, vllm("vllm:time_to_first_token_seconds_bucket")), "p99")],
             [Step(None, "green"), Step(2, "orange"), Step(10, "red")],
+            no_data=NO_TRAFFIC,
         ),
     ]
 
@@ -341,7 +214,9 @@ def _against_preemption_row() -> list[PanelBuilder]:
                     "{{decision}} {{reason}}",
                 )
             ],
+            width=6,
             stacked=True,
+            no_data=NO_TRAFFIC,
         ),
         timeseries_panel(
             "vLLM preemptions /s",
@@ -349,6 +224,7 @@ def _against_preemption_row() -> list[PanelBuilder]:
             "the sidecar admits everything (no 429, no queue) mean its budget is too generous.",
             "short",
             [Query(_per_pod("sum", per_second(vllm("vllm:num_preemptions_total"))), "{{pod}}")],
+            width=6,
             min_value=0,
         ),
         timeseries_panel(
@@ -359,6 +235,24 @@ def _against_preemption_row() -> list[PanelBuilder]:
                 Query(_per_pod("sum", vllm("vllm:num_requests_running")), "{{pod}} running"),
                 Query(_per_pod("sum", vllm("vllm:num_requests_waiting")), "{{pod}} waiting"),
             ],
+            width=6,
+            min_value=0,
+        ),
+        timeseries_panel(
+            "vLLM waiting requests by reason",
+            "Requests waiting inside vLLM, by vLLM 0.32's reason label "
+            "(vllm:num_requests_waiting_by_reason): capacity, waiting for KV-cache blocks or a "
+            "batch slot (the queue admission should keep short); deferred, held back by another "
+            "constraint such as a LoRA budget or a pending KV transfer.",
+            "short",
+            [
+                Query(
+                    f"sum by (pod, reason) ({vllm('vllm:num_requests_waiting_by_reason')})",
+                    "{{pod}} {{reason}}",
+                )
+            ],
+            width=6,
+            stacked=True,
             min_value=0,
         ),
     ]
@@ -427,6 +321,125 @@ def _kv_row() -> list[PanelBuilder]:
                 for q in (0.05, 0.5, 0.95)
             ],
             width=6,
+        ),
+    ]
+
+
+PROMPT_COUNTS = sidecar("kv_sidecar_prompt_counts_total")
+CHECK_MISMATCHES = sidecar("kv_sidecar_prompt_count_checks_total", 'result="mismatch"')
+CHECK_MATCHES = sidecar("kv_sidecar_prompt_count_checks_total", 'result="match"')
+
+
+def _counting_row() -> list[PanelBuilder]:
+    return [
+        timeseries_panel(
+            "vLLM prefix-cache hit rate",
+            "Share of the prompt tokens vLLM looked up in its prefix cache that it found there "
+            "(vllm:prefix_cache_hits_total over vllm:prefix_cache_queries_total). Blocks that "
+            "running requests share count once in the sidecar's prediction too (KV saved by "
+            "shared prefixes, below); hits on blocks of finished requests are what vLLM saves "
+            "in prefill.",
+            "percentunit",
+            [
+                Query(
+                    f"{_per_pod('sum', per_second(vllm('vllm:prefix_cache_hits_total')))}\n/\n"
+                    f"({_per_pod('sum', per_second(vllm('vllm:prefix_cache_queries_total')))}"
+                    " > 0)",
+                    "{{pod}}",
+                )
+            ],
+            min_value=0,
+            max_value=1,
+            no_data=NO_TRAFFIC,
+        ),
+        timeseries_panel(
+            "Prompts counted: exactly here, by vLLM's /tokenize, estimated",
+            "Share of the prompts the sidecar counted by each method: exact_local (its own "
+            "tokenizer and chat template), exact_upstream (vLLM's /tokenize: no usable local "
+            "tokenizer, content only vLLM renders, or a shape that failed its self-check) and "
+            "estimate (neither could count it: an upper bound, so admission over-reserves; "
+            "alert KVSidecarPromptCountsEstimated).",
+            "percentunit",
+            [
+                Query(
+                    f"sum by (method) ({per_second(PROMPT_COUNTS)})\n"
+                    "/ ignoring (method) group_left ()\n"
+                    f"(sum({per_second(PROMPT_COUNTS)}) > 0)",
+                    "{{method}}",
+                )
+            ],
+            stacked=True,
+            min_value=0,
+            max_value=1,
+            colors={"^estimate$": "red", "^exact_upstream$": "orange", "^exact_local$": "green"},
+            no_data=NO_TRAFFIC,
+        ),
+        stat_panel(
+            "Prompt-count self-checks (time range)",
+            "Local prompt counts checked against vLLM's /tokenize in the background (the first "
+            "request of each shape, then 1 in 100) over the dashboard's time range. A mismatch "
+            "puts its shape on /tokenize until the sidecar restarts: alert "
+            "KVSidecarPromptCountMismatch, runbook in docs/alerts.md.",
+            "none",
+            [
+                Query(
+                    f"sum by (shape) (increase({CHECK_MISMATCHES}[$__range]))",
+                    "{{shape}} mismatches",
+                ),
+                Query(
+                    f"sum(increase({CHECK_MATCHES}[$__range]))",
+                    "matches",
+                ),
+            ],
+            [Step(None, "green"), Step(1, "red")],
+            decimals=0,
+            width=8,
+            height=8,
+            colors={"^matches$": "blue"},
+        ),
+    ]
+
+
+def _latency_row() -> list[PanelBuilder]:
+    return [
+        timeseries_panel(
+            "Latency through the sidecar (p50 / p99)",
+            "Admitted requests from the moment the sidecar starts counting the prompt to the end "
+            "of the relayed answer: counting, deciding, the sidecar's queue wait, vLLM's work "
+            "and the relay (kv_sidecar_request_duration_seconds). Dashed: vLLM's own end-to-end "
+            "latency p99, which starts when vLLM receives the request: the gap is what the "
+            "sidecar adds, mostly its queue.",
+            "s",
+            [
+                Query(duration(0.5, sidecar("kv_sidecar_request_duration_seconds_bucket")), "p50"),
+                Query(duration(0.99, sidecar("kv_sidecar_request_duration_seconds_bucket")), "p99"),
+                Query(
+                    duration(0.99, vllm("vllm:e2e_request_latency_seconds_bucket")),
+                    "vLLM e2e p99",
+                ),
+            ],
+            width=12,
+            min_value=0,
+            dashed="^vLLM e2e p99$",
+            no_data=NO_TRAFFIC,
+        ),
+        timeseries_panel(
+            "Counting and decision latency",
+            "Time to count a prompt's tokens, p99 by method (a round trip to vLLM for "
+            "exact_upstream), and to project and decide (p50 / p99, no queue wait): the "
+            "sidecar's own cost before a request reaches vLLM or its queue.",
+            "s",
+            [
+                Query(
+                    duration(0.99, sidecar("kv_sidecar_tokenize_seconds_bucket"), ("method",)),
+                    "count p99 {{method}}",
+                ),
+                Query(duration(0.5, sidecar("kv_sidecar_decision_seconds_bucket")), "decide p50"),
+                Query(duration(0.99, sidecar("kv_sidecar_decision_seconds_bucket")), "decide p99"),
+            ],
+            width=12,
+            min_value=0,
+            no_data=NO_TRAFFIC,
         ),
     ]
 
@@ -533,11 +546,12 @@ def _refusals_and_queue_row() -> list[PanelBuilder]:
             "Retry-After values handed out with 429 and 503, computed from how fast KV frees up.",
             "s",
             [
-                Query(quantile(0.5, sidecar("kv_sidecar_retry_after_seconds_bucket")), "p50"),
-                Query(quantile(0.99, sidecar("kv_sidecar_retry_after_seconds_bucket")), "p99"),
+                Query(duration(0.5, sidecar("kv_sidecar_retry_after_seconds_bucket")), "p50"),
+                Query(duration(0.99, sidecar("kv_sidecar_retry_after_seconds_bucket")), "p99"),
             ],
             width=6,
             min_value=0,
+            no_data="No Retry-After given",
         ),
         timeseries_panel(
             "Queue depth and requests in flight",
@@ -557,11 +571,12 @@ def _refusals_and_queue_row() -> list[PanelBuilder]:
             "Time from arrival to admission or refusal, for queued requests.",
             "s",
             [
-                Query(quantile(0.5, sidecar("kv_sidecar_queue_wait_seconds_bucket")), "p50"),
-                Query(quantile(0.99, sidecar("kv_sidecar_queue_wait_seconds_bucket")), "p99"),
+                Query(duration(0.5, sidecar("kv_sidecar_queue_wait_seconds_bucket")), "p50"),
+                Query(duration(0.99, sidecar("kv_sidecar_queue_wait_seconds_bucket")), "p99"),
             ],
             width=6,
             min_value=0,
+            no_data="Nothing queued",
         ),
     ]
 
@@ -574,36 +589,39 @@ def _vllm_latency_row() -> list[PanelBuilder]:
             "top.",
             "s",
             [
-                Query(quantile(0.5, vllm("vllm:time_to_first_token_seconds_bucket")), "p50"),
-                Query(quantile(0.99, vllm("vllm:time_to_first_token_seconds_bucket")), "p99"),
+                Query(duration(0.5, vllm("vllm:time_to_first_token_seconds_bucket")), "p50"),
+                Query(duration(0.99, vllm("vllm:time_to_first_token_seconds_bucket")), "p99"),
             ],
             min_value=0,
+            no_data=NO_TRAFFIC,
         ),
         timeseries_panel(
             "vLLM inter-token latency (p50 / p99)",
             "Time between tokens of a running request: grows with batch size and recomputation.",
             "s",
             [
-                Query(quantile(0.5, vllm("vllm:inter_token_latency_seconds_bucket")), "p50"),
-                Query(quantile(0.99, vllm("vllm:inter_token_latency_seconds_bucket")), "p99"),
+                Query(duration(0.5, vllm("vllm:inter_token_latency_seconds_bucket")), "p50"),
+                Query(duration(0.99, vllm("vllm:inter_token_latency_seconds_bucket")), "p99"),
             ],
             min_value=0,
+            no_data=NO_TRAFFIC,
         ),
         timeseries_panel(
             "vLLM token throughput",
             "Prompt tokens prefilled and tokens generated per second.",
-            "short",
+            TOKENS_PER_SECOND,
             [
                 Query(
                     _per_pod("sum", per_second(vllm("vllm:prompt_tokens_total"))),
-                    "{{pod}} prompt tok/s",
+                    "{{pod}} prompt",
                 ),
                 Query(
                     _per_pod("sum", per_second(vllm("vllm:generation_tokens_total"))),
-                    "{{pod}} generation tok/s",
+                    "{{pod}} generation",
                 ),
             ],
             min_value=0,
+            no_data="No vLLM scraped",
         ),
     ]
 
@@ -626,6 +644,7 @@ def _health_row() -> list[PanelBuilder]:
                     "{{pod}}",
                 )
             ],
+            width=6,
             min_value=0,
         ),
         timeseries_panel(
@@ -633,6 +652,7 @@ def _health_row() -> list[PanelBuilder]:
             "1 when the sidecar's last scrape of vLLM succeeded.",
             "short",
             [Query(_per_pod("min", sidecar("kv_sidecar_vllm_up")), "{{pod}}")],
+            width=6,
             min_value=0,
             max_value=1,
         ),
@@ -651,7 +671,33 @@ def _health_row() -> list[PanelBuilder]:
                     "{{pod}} {{kind}}",
                 ),
             ],
+            width=6,
             min_value=0,
+        ),
+        timeseries_panel(
+            "Sidecar CPU (share of what it can use)",
+            "The sidecar process's CPU time per second (process_cpu_seconds_total) over what it "
+            "can use: its CPU limit (kv_sidecar_cpu_limit_cores), at most one core, since its "
+            "event loop is one thread. Above the dashed line for 10 minutes: alert "
+            "KVSidecarCPUSaturated; a saturated sidecar delays every request and its scrapes "
+            "of vLLM.",
+            "percentunit",
+            [
+                Query(
+                    _per_pod(
+                        "max",
+                        cpu_share(
+                            sidecar("process_cpu_seconds_total"),
+                            sidecar("kv_sidecar_cpu_limit_cores"),
+                            RATE_WINDOW,
+                        ),
+                    ),
+                    "{{pod}}",
+                )
+            ],
+            width=6,
+            min_value=0,
+            threshold_line=CPU_SATURATION_SHARE,
         ),
     ]
 
@@ -661,6 +707,8 @@ ROWS: tuple[tuple[str, Callable[[], list[PanelBuilder]]], ...] = (
     ("Is admission working?", _verdict_row),
     ("Admission against preemption", _against_preemption_row),
     ("KV cache: predicted vs actual", _kv_row),
+    ("Prompt counting and vLLM's prefix cache", _counting_row),
+    ("Latency through the sidecar", _latency_row),
     ("Reservations and risk", _risk_row),
     ("Refusals and queue", _refusals_and_queue_row),
     ("vLLM latency and throughput", _vllm_latency_row),
@@ -668,37 +716,65 @@ ROWS: tuple[tuple[str, Callable[[], list[PanelBuilder]]], ...] = (
 )
 
 
-def _variables() -> list[Builder[dashboard_models.VariableModel]]:
-    # Pods come from a series every running sidecar exports; "All" keeps Grafana's default (the
-    # list of those pods) rather than ".*", so vLLM panels never show pods without a sidecar.
-    return [
-        dashboard_builders.DatasourceVariable("datasource").label("Data source").type("prometheus"),
-        dashboard_builders.QueryVariable("namespace")
-        .label("Namespace")
+#: The vLLM series the vLLM-side variables list their values from: every engine exports it.
+VLLM_VARIABLE_SERIES = "vllm:num_requests_running"
+
+
+def _query_variable(
+    name: str, label: str, query: str, *, all_value: str | None = None
+) -> dashboard_builders.QueryVariable:
+    variable = (
+        dashboard_builders.QueryVariable(name)
+        .label(label)
         .datasource(DATASOURCE)
-        .query("label_values(kv_sidecar_vllm_up, namespace)")
-        .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC),
-        dashboard_builders.QueryVariable("pod")
-        .label("Pod")
-        .datasource(DATASOURCE)
-        .query('label_values(kv_sidecar_vllm_up{namespace=~"$namespace"}, pod)')
+        .query(query)
         .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(dashboard_models.VariableSort.NATURAL_ASC)
         .multi(True)
-        .include_all(True),
-        dashboard_builders.QueryVariable("model")
-        .label("Model")
-        .datasource(DATASOURCE)
-        .query(
-            'label_values(vllm:num_requests_running{namespace=~"$namespace", pod=~"$pod"}, '
-            "model_name)"
-        )
-        .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
-        .sort(dashboard_models.VariableSort.ALPHABETICAL_ASC)
-        .multi(True)
         .include_all(True)
-        .all_value(".*"),
+    )
+    return variable if all_value is None else variable.all_value(all_value)
+
+
+def _variables() -> list[Builder[dashboard_models.VariableModel]]:
+    """Each variable lists its values under the ones before it.
+
+    Namespaces and pods come from a series every running sidecar exports; their "All" keeps
+    Grafana's default (the list of those values) rather than ".*", so vLLM panels never show
+    pods without a sidecar. ``job``, ``instance``, ``model_name`` and ``engine`` are vLLM's
+    labels of those pods, named as vLLM's example dashboards name them so that the link carries
+    them there; their "All" is ".*", which also matches a vLLM without the ``engine`` label.
+    """
+    variables: list[Builder[dashboard_models.VariableModel]] = [
+        dashboard_builders.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+        _query_variable("namespace", "Namespace", "label_values(kv_sidecar_vllm_up, namespace)"),
+        _query_variable(
+            "pod", "Pod", 'label_values(kv_sidecar_vllm_up{namespace=~"$namespace"}, pod)'
+        ),
+    ]
+    matchers = list(SIDECAR_MATCHERS)
+    for name, label in (
+        ("job", "Job"),
+        ("instance", "Instance"),
+        ("model_name", "Model"),
+        ("engine", "Engine"),
+    ):
+        query = f"label_values({selector(VLLM_VARIABLE_SERIES, *matchers)}, {name})"
+        variables.append(_query_variable(name, label, query, all_value=".*"))
+        matchers.append(f'{name}=~"${name}"')
+    return variables
+
+
+def _links() -> list[Builder[dashboard_models.DashboardLink]]:
+    """vLLM's dashboards (tagged ``vllm``), opened with this one's variables and time range."""
+    return [
+        dashboard_builders.DashboardLink("vLLM dashboards")
+        .type(dashboard_models.DashboardLinkType.DASHBOARDS)
+        .tags([VLLM_DASHBOARD_TAG])
+        .as_dropdown(True)
+        .include_vars(True)
+        .keep_time(True)
+        .tooltip("vLLM's own dashboards, on the same job, instance, model_name and engine")
     ]
 
 
@@ -713,12 +789,13 @@ def build_dashboard() -> dict[str, Any]:
             "KV, reservations and risk, decisions, queue, beside vLLM's own latency and "
             "throughput."
         )
-        .tags(["vllm", "kv-sidecar", "kv-cache"])
+        .tags([VLLM_DASHBOARD_TAG, "kv-sidecar", "kv-cache"])
         .timezone("browser")
         .time("now-1h", "now")
         .refresh("30s")
         .tooltip(dashboard_models.DashboardCursorSync.CROSSHAIR)
         .variables(_variables())
+        .links(_links())
     )
     for title, make_panels in ROWS:
         board = board.with_row(dashboard_builders.Row(title).id(next(ids)))

@@ -20,6 +20,12 @@ REFUSED_429_MATCHERS: tuple[str, ...] = (
     f'reason=~"{"|".join(REFUSED_429_REASONS)}"',
 )
 
+#: Share of the CPU the sidecar can use above which it is saturated (KVSidecarCPUSaturated, and
+#: the dashboard's line): past it, CPU throttling and a busy event loop delay every request.
+CPU_SATURATION_SHARE = 0.8
+#: The most CPU the sidecar's event loop can use: one thread, so one core whatever the limit.
+EVENT_LOOP_CORES = 1
+
 
 def selector(metric: str, *matchers: str) -> str:
     """``metric{m1, m2}``, or the bare name when there is no matcher.
@@ -47,3 +53,17 @@ def histogram_quantile(
     """
     labels = ", ".join([*by, "le"])
     return f"histogram_quantile({quantile}, sum by ({labels}) ({rate(bucket_series, window)}))"
+
+
+def cpu_share(process_cpu: str, limit_cores: str, window: str) -> str:
+    r"""The sidecar's CPU use over what it can use: its CPU limit, at most one core.
+
+    The sidecar's work runs on one asyncio event loop (one thread; only long prompts are
+    tokenized on worker threads), which saturates at one core however high the limit, and the
+    process is throttled at its limit. Both series come from the sidecar's own scrape target, so
+    the division's one-to-one match on every label drops the other containers' process series.
+
+    >>> cpu_share("process_cpu_seconds_total", "kv_sidecar_cpu_limit_cores", "5m")
+    'rate(process_cpu_seconds_total[5m])\n/\nclamp_max(kv_sidecar_cpu_limit_cores, 1)'
+    """
+    return f"{rate(process_cpu, window)}\n/\nclamp_max({limit_cores}, {EVENT_LOOP_CORES})"

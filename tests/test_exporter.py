@@ -3,7 +3,9 @@ values, and nothing undocumented or unbounded appears."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import os
 import re
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import project_counts
+from sidecar.observability.cpu import cgroup_quota_cores, cpu_limit_cores, parse_cpu_max
 from sidecar.observability.exporter import Metrics
 from tests.test_admission import Clock, snapshot
 
@@ -25,7 +28,10 @@ BLOCKS = UniformBlocks(128, 131_072)
 
 
 def documented_names() -> set[str]:
-    names: set[str] = set()
+    # vLLM's names that the sidecar serves too (for the endpoint picker): the rows of their table
+    names: set[str] = set(re.findall(r"^\| `(vllm:[a-z_]+)`", DOCS.read_text(), re.MULTILINE))
+    # the process collector's standard names: the rows of "The sidecar process"
+    names |= set(re.findall(r"^\| `(process_[a-z_]+)`", DOCS.read_text(), re.MULTILINE))
     for cell in re.findall(r"`(kv_sidecar_[a-z_]+)`(?: / `(_[a-z]+)`)?", DOCS.read_text()):
         base, alt = cell
         names.add(base)
@@ -143,3 +149,177 @@ def test_age_is_infinite_before_the_first_scrape() -> None:
     registry, _, _, _ = build()
     assert registry.get_sample_value("kv_sidecar_vllm_metrics_age_seconds") == math.inf
     assert registry.get_sample_value("kv_sidecar_kv_capacity_blocks") is None  # nothing known
+
+
+def test_demand_ratio_counts_what_runs_and_what_waits_over_the_budget() -> None:
+    """The autoscaling signal: (committed + queued peaks) / budget, and it leaves out nothing
+    admission holds back; the old oom-risk figure stays flat while the queue grows."""
+
+    async def run() -> None:
+        registry, _, ac, clock = build()
+        ac.headroom = 0.05  # budget floor(63 * 0.95) = 59
+        ac.on_snapshot(snapshot(clock, used=0, running=0))
+        # 271 + 700 tokens: 8 blocks each; 7 fit (56), the 8th would reach 64 > 59
+        p = project_counts((271,), requested_max_tokens=700, n=1, max_model_len=1024, blocks=BLOCKS)
+        admitted = []
+        while (d := ac.try_admit(p, streamed=True)) is not None:
+            assert d.reservation is not None
+            admitted.append(d.reservation)
+        assert len(admitted) == 7
+
+        def value(name: str) -> float | None:
+            return registry.get_sample_value(name)
+
+        assert value("kv_sidecar_kv_demand_ratio") == 56 / 59
+        risk_before = value("kv_sidecar_oom_risk_ratio")
+        waiters = [asyncio.ensure_future(ac.wait(p, streamed=True)) for _ in range(15)]
+        await asyncio.sleep(0)
+        assert ac.queue_depth == 15
+        assert value("kv_sidecar_kv_demand_ratio") == (56 + 15 * 8) / 59
+        assert value("kv_sidecar_queued_demand_ratio") == 15 * 8 / 63
+        assert value("kv_sidecar_oom_risk_ratio") == risk_before
+        # blocks vLLM holds beyond what the ledger explains (traffic around the sidecar) count
+        # too: they are part of what admission counts as spoken for
+        ac.on_snapshot(snapshot(clock, used=40, running=7))
+        assert ac.external_blocks > 0
+        committed = ac.state().committed_blocks
+        assert committed >= 56 + ac.external_blocks
+        assert value("kv_sidecar_kv_demand_ratio") == (committed + 15 * 8) / 59
+        ac.fail_queue()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        assert ac.queue_depth == 0
+
+    asyncio.run(run())
+
+
+def test_vllm_cache_config_info_is_served_under_vllms_names() -> None:
+    """What the endpoint picker's cacheInfoSpec reads: block_size and num_gpu_blocks as integer
+    labels of a gauge named as vLLM names it, with vLLM's spelling of the other labels."""
+    registry, _, _, _ = build()
+    fixture = (
+        Path(__file__).parent / "fixtures" / "vllm-0.32.0-cpu" / "metrics-fresh.txt"
+    ).read_text()
+    vllm_family = next(
+        f for f in text_string_to_metric_families(fixture) if f.name == "vllm:cache_config_info"
+    )
+    ours = next(
+        f
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        if f.name == "vllm:cache_config_info"
+    )
+    assert ours.type == vllm_family.type == "gauge"
+    [sample] = ours.samples
+    assert sample.value == 1.0
+    assert sample.labels == {
+        "block_size": "128",
+        "num_gpu_blocks": "64",
+        "cache_dtype": "auto",
+        "enable_prefix_caching": "True",
+    }
+    assert set(sample.labels) <= set(vllm_family.samples[0].labels)
+    assert vllm_family.samples[0].labels["enable_prefix_caching"] in ("True", "False")
+
+
+def test_no_cache_config_info_before_discovery() -> None:
+    clock = Clock()
+    ac = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock)
+    registry = CollectorRegistry()
+    Metrics(
+        registry,
+        ac,
+        engine=lambda: None,
+        vllm_up=lambda: False,
+        ready=lambda: False,
+        scrape_errors=lambda: 0,
+        config_labels={},
+        clock=clock,
+    )
+    text = generate_latest(registry).decode()
+    assert "vllm:cache_config_info" not in text
+    assert "kv_sidecar_kv_demand_ratio" not in text  # no budget known yet
+
+
+def test_request_duration_is_observed_per_answered_request() -> None:
+    registry, metrics, _, _ = build()
+    assert registry.get_sample_value("kv_sidecar_request_duration_seconds_count") == 0
+    for seconds in (0.2, 3.0, 45.0):
+        metrics.answered(seconds)
+
+    def bucket(le: str) -> float | None:
+        return registry.get_sample_value("kv_sidecar_request_duration_seconds_bucket", {"le": le})
+
+    assert registry.get_sample_value("kv_sidecar_request_duration_seconds_count") == 3
+    assert registry.get_sample_value("kv_sidecar_request_duration_seconds_sum") == 48.2
+    assert (bucket("0.25"), bucket("5.0"), bucket("30.0"), bucket("60.0")) == (1, 2, 2, 3)
+
+
+def test_the_sidecars_own_cpu_and_its_limit_are_exported() -> None:
+    """The process collector on the sidecar's registry (not only the default one), and the CPU
+    the process may use: what KVSidecarCPUSaturated divides."""
+    registry, _, _, _ = build()
+    cpu = registry.get_sample_value("process_cpu_seconds_total")
+    assert cpu is not None and cpu > 0
+    assert registry.get_sample_value("process_start_time_seconds")
+    limit = registry.get_sample_value("kv_sidecar_cpu_limit_cores")
+    assert limit == cpu_limit_cores()
+    assert limit is not None and 0 < limit <= (os.cpu_count() or 1)
+
+
+def _cgroup(tmp_path: Path, self_cgroup: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A fake /sys/fs/cgroup tree and /proc/self/cgroup."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    root.mkdir(exist_ok=True)
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text(self_cgroup)
+    return root, proc
+
+
+def test_cpu_quota_from_cgroup_v2_takes_the_tightest_level(tmp_path: Path) -> None:
+    # a host's hierarchy (no cgroup namespace): the pod's limit above the container's
+    root, proc = _cgroup(
+        tmp_path,
+        "0::/kubepods/pod1/ctr\n",
+        {
+            "kubepods/cpu.max": "max 100000\n",
+            "kubepods/pod1/cpu.max": "150000 100000\n",
+            "kubepods/pod1/ctr/cpu.max": "200000 100000\n",
+        },
+    )
+    assert cgroup_quota_cores(root, proc) == 1.5
+    # a container's own namespace: its cgroup is the root
+    root, proc = _cgroup(tmp_path / "ns", "0::/\n", {"cpu.max": "50000 100000\n"})
+    assert cgroup_quota_cores(root, proc) == 0.5
+
+
+def test_cpu_quota_from_cgroup_v1(tmp_path: Path) -> None:
+    root, proc = _cgroup(
+        tmp_path,
+        "4:memory:/x\n2:cpu,cpuacct:/docker/abc\n0::/\n",
+        {
+            "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "250000\n",
+            "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+            "cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+            "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        },
+    )
+    assert cgroup_quota_cores(root, proc) == 2.5
+
+
+def test_no_quota_or_unreadable_cgroups_mean_the_cpus_available(tmp_path: Path) -> None:
+    cpus = float(len(os.sched_getaffinity(0)))
+    root, proc = _cgroup(tmp_path, "1:cpu:/\n0::/\n", {"cpu/cpu.cfs_quota_us": "-1\n"})
+    assert cgroup_quota_cores(root, proc) is None
+    assert cpu_limit_cores(root, proc) == cpus
+    # garbage, or no /proc/self/cgroup at all: no quota, never an exception
+    root, proc = _cgroup(tmp_path / "bad", "garbage\n0::/\n", {"cpu.max": "lots 0\n"})
+    assert cgroup_quota_cores(root, proc) is None
+    assert cgroup_quota_cores(root, tmp_path / "absent") is None
+    # a quota above the CPUs the process may run on is capped by them
+    root, proc = _cgroup(
+        tmp_path / "big", "0::/\n", {"cpu.max": f"{int(cpus + 3) * 100000} 100000"}
+    )
+    assert cpu_limit_cores(root, proc) == cpus
+    assert parse_cpu_max("max 100000") is None and parse_cpu_max("100000 0") is None

@@ -34,7 +34,10 @@ SAMPLE_SUBSTITUTIONS: dict[str, str] = {
     "$datasource": "prometheus",
     "$namespace": "default",
     "$pod": "kv-sidecar-0",
-    "$model": "tiny",
+    "$job": "llm/llm",
+    "$instance": "10.0.0.1:8000",
+    "$model_name": "tiny",
+    "$engine": "0",
     "$__rate_interval": "1m",
     "$__interval": "1m",
     "$__range": "1h",
@@ -43,7 +46,12 @@ SAMPLE_SUBSTITUTIONS: dict[str, str] = {
 SCRAPE_LABELS = frozenset(
     {"namespace", "pod", "job", "instance", "container", "endpoint", "service"}
 )
-VARIABLES = ("datasource", "namespace", "pod", "model")
+VARIABLES = ("datasource", "namespace", "pod", "job", "instance", "model_name", "engine")
+#: The variables of vLLM's example dashboards (examples/observability/dashboards/grafana in
+#: vllm-project/vllm, e.g. vllm_kv_cache.json): the link carries ours to theirs by these names.
+VLLM_DASHBOARD_VARIABLES = ("datasource", "job", "instance", "model_name", "engine")
+#: Labels a vLLM query filters on, by the variable of the same name.
+VLLM_FILTERS = ("namespace", "pod", "job", "instance", "model_name", "engine")
 #: What the dashboard must show (the issue's list), by the series that carry it.
 REQUIRED_SERIES = frozenset(
     {
@@ -69,6 +77,18 @@ REQUIRED_SERIES = frozenset(
         "vllm:inter_token_latency_seconds_bucket",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
+        # issue 13: what operators look for next to predicted vs actual KV
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:num_requests_waiting_by_reason",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "kv_sidecar_request_duration_seconds_bucket",
+        "kv_sidecar_prompt_counts_total",
+        "kv_sidecar_prompt_count_checks_total",
+        "kv_sidecar_tokenize_seconds_bucket",
+        "kv_sidecar_decision_seconds_bucket",
+        "process_cpu_seconds_total",
+        "kv_sidecar_cpu_limit_cores",
     }
 )
 _VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
@@ -274,16 +294,37 @@ def test_dashboard_is_importable_shape() -> None:
         assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
 
 
-def test_variables_datasource_namespace_pod_model() -> None:
+def test_variables_carry_across_dashboards() -> None:
     variables = {v["name"]: v for v in load_dashboard()["templating"]["list"]}
     assert tuple(variables) == VARIABLES
+    assert set(VLLM_DASHBOARD_VARIABLES) <= set(variables)
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name, label in (("namespace", "namespace"), ("pod", "pod"), ("model", "model_name")):
+    for name in VARIABLES[1:]:
         variable = variables[name]
         assert variable["type"] == "query"
         assert variable["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
-        assert _label_values_selector(variable["query"])[1] == label
+        assert variable["multi"] and variable["includeAll"], f"{name} is not multi-select"
+        # each lists the values of its own label name (vLLM's, for the vLLM-side ones)
+        assert _label_values_selector(variable["query"])[1] == name
+
+
+def test_each_variable_lists_its_values_under_the_ones_before_it() -> None:
+    """Picking a namespace narrows the pods, a pod vLLM's jobs, and so on down to the engine."""
+    variables = [v for v in load_dashboard()["templating"]["list"] if v["type"] == "query"]
+    for i, variable in enumerate(variables):
+        selector, _ = _label_values_selector(variable["query"])
+        [vector] = selectors(promql_parser.parse(selector))
+        matchers = {m.name: m.value for m in vector.matchers.matchers}
+        assert matchers == {v["name"]: f"${v['name']}" for v in variables[:i]}, variable["name"]
+
+
+def test_link_to_vllms_dashboards_keeps_variables_and_time() -> None:
+    dashboard = load_dashboard()
+    assert "vllm" in dashboard["tags"]
+    [link] = [link for link in dashboard["links"] if "vllm" in link.get("tags", [])]
+    assert link["type"] == "dashboards" and link["tags"] == ["vllm"]
+    assert link["includeVars"] is True and link["keepTime"] is True
 
 
 def test_every_panel_has_targets_on_the_datasource_variable() -> None:
@@ -333,11 +374,7 @@ def test_no_variable_is_left_unsubstituted() -> None:
 
 
 def test_every_query_filters_by_the_dashboard_variables() -> None:
-    expected = {
-        "namespace": SAMPLE_SUBSTITUTIONS["$namespace"],
-        "pod": SAMPLE_SUBSTITUTIONS["$pod"],
-        "model_name": SAMPLE_SUBSTITUTIONS["$model"],
-    }
+    expected = {label: SAMPLE_SUBSTITUTIONS[f"${label}"] for label in VLLM_FILTERS}
     for title, expr in dashboard_queries(SAMPLE_SUBSTITUTIONS):
         for vector in selectors(promql_parser.parse(expr)):
             matchers = {
@@ -345,13 +382,103 @@ def test_every_query_filters_by_the_dashboard_variables() -> None:
                 for m in vector.matchers.matchers
                 if m.op == promql_parser.MatchOp.Re
             }
-            wanted = ["namespace", "pod"] + (
-                ["model_name"] if vector.name.startswith("vllm:") else []
-            )
+            wanted = VLLM_FILTERS if vector.name.startswith("vllm:") else ("namespace", "pod")
             for label in wanted:
                 assert matchers.get(label) == expected[label], (
                     f"{title}: {vector.name} is not filtered by {label}=~ the variable"
                 )
+            # vLLM's job and instance are other scrape targets than the sidecar's
+            unwanted = set(matchers) & (set(VLLM_FILTERS) - set(wanted))
+            assert not unwanted, f"{title}: {vector.name} filtered by vLLM's {sorted(unwanted)}"
+
+
+def _divides_by_a_rate(node: Any) -> bool:
+    return any(
+        isinstance(n, promql_parser.BinaryExpr)
+        and str(n.op) == "/"
+        and any(isinstance(c, promql_parser.Call) and c.func.name == "rate" for c in walk(n.rhs))
+        for n in walk(node)
+    )
+
+
+def test_ratios_of_traffic_say_no_traffic_instead_of_going_blank() -> None:
+    """A share of traffic is 0/0 without traffic: the panel says so, not an empty "No data"
+    (its denominator filtered ``> 0``) or a bare NaN (single numbers map NaN)."""
+    ratio_panels = [
+        panel
+        for panel in iter_panels(load_dashboard()["panels"])
+        if any(
+            _divides_by_a_rate(promql_parser.parse(substitute(t["expr"], SAMPLE_SUBSTITUTIONS)))
+            for t in panel["targets"]
+        )
+    ]
+    titles = {panel["title"] for panel in ratio_panels}
+    assert {
+        "429 share",
+        "vLLM prefix-cache hit rate",
+        "Prompts counted: exactly here, by vLLM's /tokenize, estimated",
+    } <= titles
+    for panel in ratio_panels:
+        defaults = panel["fieldConfig"]["defaults"]
+        assert defaults.get("noValue") == "No traffic", panel["title"]
+        if panel["type"] in ("stat", "gauge"):
+            specials = [m for m in defaults.get("mappings", []) if m["type"] == "special"]
+            assert any(
+                m["options"]["match"] == "nan" and m["options"]["result"]["text"] == "No traffic"
+                for m in specials
+            ), panel["title"]
+
+
+def test_latency_panels_say_why_they_are_empty() -> None:
+    """A quantile of no observation is NaN, which Grafana draws as nothing: every duration
+    quantile drops it (``>= 0``), so that the panel shows its reason instead of a blank chart."""
+    panels = [
+        panel
+        for panel in iter_panels(load_dashboard()["panels"])
+        if any(re.search(r"_seconds_bucket\b", t["expr"]) for t in panel["targets"])
+    ]
+    assert len(panels) >= 8
+    for panel in panels:
+        assert panel["fieldConfig"]["defaults"].get("noValue"), panel["title"]
+        for target in panel["targets"]:
+            if "histogram_quantile" in target["expr"]:
+                assert target["expr"].rstrip().endswith(">= 0"), (panel["title"], target["expr"])
+
+
+def test_divides_by_a_rate_finds_one() -> None:
+    assert _divides_by_a_rate(promql_parser.parse("sum(rate(a[1m])) / sum(rate(b[1m]))"))
+    assert not _divides_by_a_rate(promql_parser.parse("sum(rate(a[1m])) / sum(b)"))
+
+
+def test_token_throughput_is_in_tokens_per_second() -> None:
+    token_rates = [
+        panel
+        for panel in iter_panels(load_dashboard()["panels"])
+        if any(
+            re.search(r"rate\(vllm:(prompt|generation)_tokens_total", t["expr"])
+            for t in panel["targets"]
+        )
+    ]
+    assert token_rates
+    for panel in token_rates:
+        # Grafana's custom count unit: the value scaled (K, M) and "tok/s" after it
+        assert panel["fieldConfig"]["defaults"]["unit"] == "count:tok/s", panel["title"]
+
+
+def test_vllms_waiting_reasons_exist_in_the_fixture(known_series: dict[str, Series]) -> None:
+    """vLLM 0.32 names the reason a request waits; the panel groups by that label."""
+    assert "reason" in known_series["vllm:num_requests_waiting_by_reason"].labels
+    text = VLLM_METRICS.read_text(encoding="utf-8")
+    reasons = set(
+        re.findall(r'^vllm:num_requests_waiting_by_reason\{[^}]*reason="(\w+)"', text, re.M)
+    )
+    assert reasons == {"capacity", "deferred"}
+    [panel] = [
+        p
+        for p in iter_panels(load_dashboard()["panels"])
+        if p["title"] == "vLLM waiting requests by reason"
+    ]
+    assert all(reason in panel["description"] for reason in reasons)
 
 
 def test_every_expression_parses_with_promtool(tmp_path: Path) -> None:

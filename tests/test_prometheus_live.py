@@ -21,8 +21,11 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from grafana.alerts import ALERTS
 from grafana.build import ALERTS_YAML
+from grafana.promql import cpu_share
 from harness.workload import Result, SidecarProcess, make_prompts, metric_value, one_completion
 from tests.conftest import VllmInfo
 from tests.prometheus_server import PrometheusServer, Sample, ScrapeJob, has_data
@@ -39,6 +42,8 @@ VLLM_CONTAINER = "vllm"
 #: Grafana's $__rate_interval is at least four scrape intervals of the data source's setting
 #: (15 s by default), so 1m is what a default data source gets; the load fits inside it.
 RATE_INTERVAL = "1m"
+#: Grafana's $__range with the dashboard's default time range (``"time": {"from": "now-1h"}``).
+DASHBOARD_RANGE = "1h"
 STEP_SECONDS = 1.0
 
 #: The load: clients in a closed loop for LOAD_SECONDS, each sending its next request as soon as
@@ -78,6 +83,14 @@ MOVED_BY_THE_LOAD = (
     "vllm:inter_token_latency_seconds_bucket",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
+    # issue 13's panels: latency through the sidecar, how prompts were counted and what it
+    # cost, the sidecar's own CPU
+    "kv_sidecar_request_duration_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "kv_sidecar_prompt_counts_total",
+    "kv_sidecar_tokenize_seconds_bucket",
+    "kv_sidecar_decision_seconds_bucket",
+    "process_cpu_seconds_total",
 )
 #: Series the sidecar exports only in expected mode (--reservation expected): the load runs in
 #: worst-case mode (the default), where panels over them are empty and say why (their noValue).
@@ -230,8 +243,15 @@ def _value(prometheus: PrometheusServer, expr: str) -> float:
 
 
 def _regex(values: list[str]) -> str:
-    """A multi-value variable as Grafana writes it into a ``=~`` matcher."""
-    escaped = [_REGEX_SPECIAL.sub(lambda m: "\\" + m.group(0), value) for value in values]
+    """A multi-value variable as Grafana writes it into a ``=~`` matcher.
+
+    Grafana escapes regex metacharacters with two backslashes in the query text (one for the
+    PromQL string, one for the regex): an instance's ``127.0.0.1:8000`` is ``127\\\\.0...``.
+
+    >>> _regex(["127.0.0.1:8000"])
+    '127\\\\\\\\.0\\\\\\\\.0\\\\\\\\.1:8000'
+    """
+    escaped = [_REGEX_SPECIAL.sub(lambda m: "\\\\" + m.group(0), value) for value in values]
     return escaped[0] if len(escaped) == 1 else f"({'|'.join(escaped)})"
 
 
@@ -345,12 +365,30 @@ def test_load_admits_queues_and_refuses(loaded: Loaded) -> None:
     assert metric_value(text, "kv_sidecar_queue_wait_seconds_count")
 
 
+def _vllm_label_values(vllm: VllmInfo, metric: str, label: str) -> list[str]:
+    """The values of ``label`` on ``metric`` in vLLM's own /metrics, read from vLLM directly."""
+    values = {
+        sample.labels[label]
+        for family in text_string_to_metric_families(vllm.metrics_text())
+        for sample in family.samples
+        if sample.name == metric and label in sample.labels
+    }
+    return sorted(values)
+
+
 def test_template_variables_resolve_to_the_scraped_pod(loaded: Loaded) -> None:
+    """Every variable's label_values() returns series through the real Prometheus: the pod's
+    scrape labels, and vLLM's own job, instance, model_name and engine, as vLLM exports them."""
     resolved = resolve_variables(loaded.prometheus)
+    engines = _vllm_label_values(loaded.vllm, "vllm:num_requests_running", "engine")
+    assert engines, "vLLM 0.32 labels its series with engine"
     assert resolved == {
         "namespace": [NAMESPACE],
         "pod": [POD],
-        "model": [loaded.vllm.served_name],
+        "job": ["vllm"],  # vLLM's scrape job, not the sidecar's
+        "instance": [loaded.vllm.url.removeprefix("http://").removeprefix("https://")],
+        "model_name": [loaded.vllm.served_name],
+        "engine": engines,
     }
 
 
@@ -364,7 +402,9 @@ def outcomes(loaded: Loaded) -> list[Outcome]:
         **{f"${name}": _regex(values) for name, values in resolved.items()},
         "$__rate_interval": RATE_INTERVAL,
         "$__interval": f"{STEP_SECONDS:g}s",
-        "$__range": f"{math.ceil(time.time() - loaded.load.start)}s",
+        # the dashboard's default time range (now-1h): it holds the whole test, whenever each
+        # query is evaluated
+        "$__range": DASHBOARD_RANGE,
     }
     queries = dashboard_queries(substitutions)
     assert len(queries) >= 20
@@ -421,3 +461,64 @@ def test_alert_rules_load_and_evaluate(loaded: Loaded) -> None:
     # select the sidecar's target by container, must be quiet (absent() would make them pending).
     for name in ("KVSidecarDown", "KVSidecarVLLMDown", "KVSidecarVLLMMetricsStale"):
         assert rules[name]["state"] == "inactive", (name, rules[name].get("alerts"))
+
+
+def _outcomes_of(outcomes: list[Outcome], title: str) -> list[Outcome]:
+    found = [o for o in outcomes if o.title == title]
+    assert found, f"no panel {title!r}"
+    return found
+
+
+def test_prompts_counted_shares_add_up_to_all_prompts(outcomes: list[Outcome]) -> None:
+    """At every step with traffic the methods' shares sum to 1, and the local tokenizer (vLLM's
+    model directory is readable here) counted some of them."""
+    [outcome] = _outcomes_of(
+        outcomes, "Prompts counted: exactly here, by vLLM's /tokenize, estimated"
+    )
+    by_time: dict[float, dict[str, float]] = {}
+    for sample in outcome.ranged:
+        by_time.setdefault(sample.at, {})[sample.labels["method"]] = sample.value
+    assert by_time, outcome.describe()
+    for at, shares in by_time.items():
+        assert math.isclose(sum(shares.values()), 1.0, rel_tol=1e-9), (at, shares)
+    assert max(shares.get("exact_local", 0.0) for shares in by_time.values()) > 0
+
+
+def test_self_check_panel_counts_the_checks_of_the_load(outcomes: list[Outcome]) -> None:
+    """The first local count of each shape is checked against vLLM's /tokenize: the load's
+    completions were, so the panel's matches and mismatches over the dashboard's time range
+    together are at least 1."""
+    assert load_dashboard()["time"]["from"] == f"now-{DASHBOARD_RANGE}"
+    checks = _outcomes_of(outcomes, "Prompt-count self-checks (time range)")
+    assert len(checks) == 2
+    assert {"shape"} <= {label for o in checks for s in o.instant for label in s.labels}
+    total = sum(s.value for o in checks for s in o.instant if not math.isnan(s.value))
+    assert total >= 1, _table(checks)
+
+
+def test_cpu_share_is_the_sidecars_own_process(loaded: Loaded) -> None:
+    """The dashboard's and the alert's CPU share divide the sidecar's process CPU by its own
+    limit gauge: vLLM's process series, scraped from the same pod, find no partner and drop out."""
+    prometheus = loaded.prometheus
+    pod = f'namespace="{NAMESPACE}", pod="{POD}"'
+    processes = prometheus.query(f"process_cpu_seconds_total{{{pod}}}")
+    assert {s.labels["container"] for s in processes} == {SIDECAR_CONTAINER, VLLM_CONTAINER}
+
+    def share(window: str) -> list[Sample]:
+        return prometheus.query(
+            cpu_share(
+                f"process_cpu_seconds_total{{{pod}}}",
+                f"kv_sidecar_cpu_limit_cores{{{pod}}}",
+                window,
+            ),
+            at=loaded.load.end,
+        )
+
+    [dashboard] = share(RATE_INTERVAL)
+    assert dashboard.labels["container"] == SIDECAR_CONTAINER and dashboard.value > 0
+    [alert] = [a for a in ALERTS if a.name == "KVSidecarCPUSaturated"]
+    # the alert's expression without its threshold: the same figure, over its 5m window, per pod
+    [sample] = prometheus.query(alert.expr.rsplit(">", 1)[0], at=loaded.load.end)
+    [five_minutes] = share("5m")
+    assert sample.labels == {"namespace": NAMESPACE, "pod": POD}
+    assert sample.value == five_minutes.value > 0

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -28,6 +28,7 @@ from sidecar.config import ReservationMode
 from sidecar.counting import SELF_CHECKED_SHAPES, PromptShape, TokenCount
 from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.projection import Projection
+from sidecar.observability.cpu import CpuLimitCollector
 
 PREFIX = "kv_sidecar"
 COUNT_METHODS = ("exact_local", "exact_upstream", "estimate")
@@ -36,6 +37,8 @@ BYTES_BUCKETS = tuple(float(1 << k) for k in range(16, 41, 2))  # 64 KiB .. 1 Ti
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FAST_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0)
 TOKENS_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+#: from a short answer to the longest generation that stays under --upstream-read-timeout's pace
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 RELATIVE_ERROR_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, -0.01, 0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
@@ -134,6 +137,13 @@ class Metrics:
             buckets=FAST_BUCKETS,
             registry=registry,
         )
+        self.request_duration = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "Admitted generation requests, end to end through the sidecar: from counting the "
+            "prompt to the end of the relayed answer (queue wait and vLLM's work included).",
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
         self.completion_tokens = Counter(
             f"{PREFIX}_completion_tokens",
             "Completion tokens seen in answers.",
@@ -168,6 +178,9 @@ class Metrics:
             Sources(engine, vllm_up, ready, scrape_errors, config_labels, clock),
         )
         registry.register(self.collector)
+        # the sidecar's own CPU (process_cpu_seconds_total, ...) and the CPU it may use
+        ProcessCollector(registry=registry)
+        registry.register(CpuLimitCollector())
 
     def decided(self, decision: Decision) -> None:
         self.requests.labels(decision.outcome.value, decision.reason).inc()
@@ -184,6 +197,11 @@ class Metrics:
 
     def queue_waited(self, seconds: float) -> None:
         self.queue_wait.observe(seconds)
+
+    def answered(self, seconds: float) -> None:
+        """An admitted request is over (answered, failed or abandoned), ``seconds`` after its
+        prompt began to be counted."""
+        self.request_duration.observe(seconds)
 
     def upstream_failed(self, kind: str) -> None:
         self.upstream_errors.labels(kind).inc()
@@ -331,6 +349,18 @@ class StateCollector(Collector):
                     value=self.exhaustion_seconds(capacity, state.actual_blocks or 0),
                 )
             )
+        if state.budget_blocks:
+            out.append(
+                GaugeMetricFamily(
+                    f"{PREFIX}_kv_demand_ratio",
+                    "KV demand in units of the admission budget: what admission counts as spoken "
+                    "for (the future peak of the requests in flight plus what vLLM holds for "
+                    "others, at least what vLLM holds) plus the projected peak of every request "
+                    "waiting in the sidecar's queue, over the budget (capacity less headroom); "
+                    "the autoscaling signal.",
+                    value=(state.committed_blocks + state.peak_blocks_queued) / state.budget_blocks,
+                )
+            )
         if capacity:
             out.append(
                 GaugeMetricFamily(
@@ -419,4 +449,32 @@ class StateCollector(Collector):
                 f"{PREFIX}_config", "The sidecar's admission settings.", value=src.config_labels
             )
         )
+        if info is not None:
+            out.append(vllm_cache_config_info(info))
         return out
+
+
+#: vLLM's own name and label names for its KV cache config, which the llm-d endpoint picker's
+#: core-metrics-extractor reads (``cacheInfoSpec``: block_size and num_gpu_blocks as labels of an
+#: info-style gauge) from the one port it scrapes per pod: the sidecar's metrics port.
+VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
+
+
+def vllm_cache_config_info(info: EngineConfig) -> GaugeMetricFamily:
+    """``vllm:cache_config_info`` as vLLM exports it (a gauge of 1, the config in labels), built
+    from the discovered engine config: the labels the sidecar knows, under vLLM's names."""
+    labels = {
+        "block_size": str(info.block_size),
+        "num_gpu_blocks": str(info.num_gpu_blocks),
+        "cache_dtype": info.cache_dtype,
+    }
+    if info.prefix_caching is not None:
+        labels["enable_prefix_caching"] = str(info.prefix_caching)  # vLLM writes True / False
+    family = GaugeMetricFamily(
+        VLLM_CACHE_CONFIG_INFO,
+        "Information of the LLMEngine CacheConfig (vLLM's labels, relayed by the kv-sidecar for "
+        "the endpoint picker).",
+        labels=list(labels),
+    )
+    family.add_metric(list(labels.values()), 1.0)
+    return family
