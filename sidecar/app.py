@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.admission import lengths_file
 from sidecar.admission.controller import AdmissionController
-from sidecar.config import Settings
+from sidecar.config import AccessLog, Settings
 from sidecar.counting import PromptCounter
 from sidecar.engine.discovery import discover
 from sidecar.engine.scraper import Scraper
@@ -41,7 +41,10 @@ from sidecar.http.seams import Engine, Traffic
 from sidecar.http.transport import UpstreamTransport
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
+from sidecar.observability import logs
 from sidecar.observability.exporter import Metrics
+from sidecar.observability.tracing import Tracing
+from sidecar.observability.tracing import from_env as tracing_from_env
 
 log = logging.getLogger("sidecar")
 
@@ -110,8 +113,15 @@ class _NoCookieJar(http.cookiejar.CookieJar):
 class Sidecar:
     """The process's long-lived parts, built and wired once; the engine swapped in when found."""
 
-    def __init__(self, settings: Settings, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.settings = settings
+        self.tracing = tracing  # None: no spans (the OTEL_* environment asked for none)
         self.registry = registry if registry is not None else CollectorRegistry()
         # the proxy's pool: the relay sends on the transport directly (each client's own headers)
         self.transport = make_transport(settings)
@@ -164,11 +174,14 @@ class Sidecar:
                 metrics=self.metrics,
                 relay=relay,
                 max_body_bytes=settings.max_body_bytes,
+                access_log=settings.access_log is not AccessLog.off,
+                tracing=tracing,
             ),
             traffic=self.traffic,
             metrics=self.metrics,
             max_headers=settings.max_headers,
             max_header_bytes=settings.max_header_bytes,
+            access_log=settings.access_log is AccessLog.all,
         )
         self.ops = build_ops_app(
             registry=self.registry,
@@ -424,7 +437,8 @@ def _uvicorn_config(app: Any, settings: Settings, port: int) -> uvicorn.Config:
         host=settings.host,
         port=port,
         lifespan="off",
-        access_log=False,
+        access_log=False,  # the proxy writes its own (sidecar.access, --access-log)
+        log_config=None,  # run() has set up logging: uvicorn's lines go through it too
         server_header=False,  # the upstream's own Server and Date headers pass through
         date_header=False,
         log_level=settings.log_level,
@@ -435,7 +449,7 @@ def _uvicorn_config(app: Any, settings: Settings, port: int) -> uvicorn.Config:
 
 
 async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
-    sidecar = Sidecar(settings)
+    sidecar = Sidecar(settings, tracing=tracing_from_env(os.environ))
     await sidecar.start()
     proxy = _Server(_uvicorn_config(sidecar.proxy, settings, settings.port))
     ops = _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port))
@@ -474,6 +488,8 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
                 await sidecar.stop()
         except TimeoutError:
             log.warning("shutdown of the upstream client timed out")
+        if sidecar.tracing is not None:
+            sidecar.tracing.shutdown()  # export the spans still queued (the servers have ended)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     failed = [r for r in results if isinstance(r, BaseException)]
@@ -484,12 +500,7 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
 
 
 def run(settings: Settings) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # one line per upstream request would drown the sidecar's own log
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logs.configure(settings.log_level, settings.log_format)
     # transformers warns at import that PyTorch is absent: the sidecar only needs tokenizers
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:

@@ -234,4 +234,8 @@ def _serve(argv: list[str]) -> int:
         return 2
     from sidecar.app import run
 
-    return run(settings)
+    try:
+        return run(settings)
+    except ConfigError as exc:  # e.g. OTEL_TRACES_EXPORTER naming an exporter not installed
+        print(f"{PROG} serve: error: {exc}", file=sys.stderr)
+        return 2

@@ -40,6 +40,21 @@ class StalePolicy(StrEnum):
     closed = "closed"  # refuse with 503
 
 
+class LogFormat(StrEnum):
+    """How log lines read."""
+
+    text = "text"  # time level logger: message key=value ...
+    json = "json"  # one JSON object per line
+
+
+class AccessLog(StrEnum):
+    """Which requests get an access log line."""
+
+    off = "off"  # none
+    generation = "generation"  # generation requests only (one summary line each)
+    all = "all"  # generation requests and pass-through ones
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KV_SIDECAR_",
@@ -127,6 +142,13 @@ class Settings(BaseSettings):
     """Seconds in-flight requests get to finish after SIGTERM."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level."""
+    log_format: LogFormat = LogFormat.text
+    """text (time, level, logger, message, then key=value fields) or json (one object per
+    line), for the sidecar's and uvicorn's lines alike."""
+    access_log: AccessLog = AccessLog.generation
+    """One line per request, at level info: for generation requests only (their decision,
+    prompt tokens, projected blocks, queue wait, status and duration), for all requests
+    (pass-through ones too), or off."""
 
     @field_validator("upstream")
     @classmethod

@@ -587,17 +587,31 @@ def test_any_path_stays_on_the_upstream(
 
 SECRET = "sk-live-7f3a9c0e5b1d4e2a8c6f0b9d3e7a1c5f"
 PROXY_SECRET = "cHJveHktc2VjcmV0LTk5ODg="
+#: a message's content: private to the client as its credentials are
+CONTENT = "xylophone-4711"
 
 
-def test_authorization_reaches_vllm_but_no_log_or_metric(model_dir: Path) -> None:
-    """A real process at --log-level debug: every path a request can take, with a bearer token."""
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_authorization_reaches_vllm_but_no_log_or_metric(model_dir: Path, log_format: str) -> None:
+    """A real process at --log-level debug: every path a request can take, with a bearer token;
+    in JSON, with an access line for every request, each line one JSON object."""
     app = ToughFake(model_root=model_dir)
     with FakeServer(app) as fake:
-        sc = SidecarProcess(fake.url, "--log-level", "debug", "--scrape-interval", "0.1").start()
+        sc = SidecarProcess(
+            fake.url,
+            "--log-level",
+            "debug",
+            "--scrape-interval",
+            "0.1",
+            "--log-format",
+            log_format,
+            "--access-log",
+            "all" if log_format == "json" else "generation",
+        ).start()
         try:
             auth = {"Authorization": f"Bearer {SECRET}", "Proxy-Authorization": PROXY_SECRET}
             with httpx.Client(base_url=sc.url, headers=auth, timeout=30) as client:
-                chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+                chat = {"model": "tiny", "messages": [{"role": "user", "content": CONTENT}]}
                 assert client.post("/v1/chat/completions", json=chat | {"max_tokens": 4}).is_success
                 streamed = chat | {"max_tokens": 4, "stream": True}
                 with client.stream("POST", "/v1/chat/completions", json=streamed) as resp:
@@ -637,7 +651,14 @@ def test_authorization_reaches_vllm_but_no_log_or_metric(model_dir: Path) -> Non
     assert [r for r in probes if r.path != "/v1/models" and r.header("authorization")] == []
     log = sc.log()
     assert "DEBUG" in log and "upstream failed mid-answer" in log  # the log was verbose
-    for secret in (SECRET, SECRET[3:20], PROXY_SECRET):
+    assert "sidecar.access" in log
+    if log_format == "json":
+        lines = [json.loads(line) for line in log.splitlines() if line.strip()]
+        assert all(isinstance(line, dict) and "message" in line for line in lines)
+        access = [line for line in lines if line["logger"] == "sidecar.access"]
+        assert {line["path"] for line in access} >= {"/v1/chat/completions", "/v1/models"}
+        assert any(line.get("upstream_error") for line in access)  # the mid-answer crash
+    for secret in (SECRET, SECRET[3:20], PROXY_SECRET, CONTENT):
         assert secret not in log
         for path, text in own.items():
             assert secret not in text, path

@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from sidecar.admission.decisions import Outcome, Reason
+from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.learner import request_class
 from sidecar.counting import GenerationRequest, counting_view, parse_generation
 from sidecar.errors import BadRequest, UpstreamError
@@ -31,6 +33,10 @@ from sidecar.http.types import Receive, Scope, Send
 from sidecar.http.usage import UsageTracker
 from sidecar.kv.ledger import Reservation
 from sidecar.kv.projection import Projection, project_counts
+from sidecar.observability.logs import REQUEST_ID, RequestRecord, clip, log_generation
+
+if TYPE_CHECKING:
+    from sidecar.observability.tracing import RequestTrace, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,12 @@ NOT_READY_RETRY_AFTER = 2.0
 _DROP_REQUEST_HEADERS = frozenset({b"host", b"content-length"})
 #: optional request header naming the class a request's answer length is learned in
 CLASS_HEADER = b"x-kv-sidecar-class"
+#: the client's id of a request, else one the sidecar makes (and sends on to vLLM)
+REQUEST_ID_HEADER = b"x-request-id"
+#: vLLM's header that sends a request to one data-parallel engine (chat, completions, messages)
+DP_RANK_HEADER = b"x-data-parallel-rank"
+#: the endpoints whose handlers read it (``/v1/responses`` does not, in vLLM 0.32)
+_PINNABLE = frozenset({"completions", "chat", "messages"})
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -59,15 +71,48 @@ class GenerationPath:
         metrics: MetricsSink,
         relay: Relay,
         max_body_bytes: int,
+        access_log: bool = True,
+        tracing: Tracing | None = None,
     ) -> None:
         self.gate = gate
         self.engine = engine
         self.metrics = metrics
         self.relay = relay
         self.max_body_bytes = max_body_bytes
+        self.access_log = access_log  # one line per request on the sidecar.access logger
+        self.tracing = tracing  # None: no spans
 
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, raw_path: bytes, endpoint: str
+    ) -> None:
+        client_id = _header(scope, REQUEST_ID_HEADER)
+        record = RequestRecord(
+            clip(client_id) if client_id is not None else os.urandom(16).hex(),
+            scope["path"],
+            endpoint,
+        )
+        if client_id is None:
+            record.generated_id = True
+        REQUEST_ID.set(record.request_id)  # this request's task only: every line it logs
+        trace = self.tracing.start(scope, record, endpoint) if self.tracing is not None else None
+        try:
+            await self._handle(scope, receive, send, raw_path, endpoint, record, trace)
+        finally:
+            end = time.perf_counter()
+            if self.access_log:
+                log_generation(record, end - record.start)
+            if trace is not None:
+                trace.end(end)
+
+    async def _handle(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        raw_path: bytes,
+        endpoint: str,
+        record: RequestRecord,
+        trace: RequestTrace | None,
     ) -> None:
         try:
             raw = await self._read(scope, receive)
@@ -76,14 +121,20 @@ class GenerationPath:
             request = parse_generation(endpoint, raw)  # type: ignore[arg-type]
         except BadRequest as exc:
             self.metrics.refused(Reason.BAD_REQUEST)
-            await respond(send, refusals.from_error(exc))
+            _refused(record, Reason.BAD_REQUEST)
+            await _respond(send, record, refusals.from_error(exc))
             return
+        model = request.body.get("model")
+        record.model = clip(model) if isinstance(model, str) else None
+        record.stream = request.stream
 
         engine = self.engine()
         if engine is None:
             self.metrics.refused(Reason.NOT_READY, NOT_READY_RETRY_AFTER)
-            await respond(
+            _refused(record, Reason.NOT_READY)
+            await _respond(
                 send,
+                record,
                 refusals.refusal(
                     Reason.NOT_READY, "the sidecar has not reached vLLM yet", NOT_READY_RETRY_AFTER
                 ),
@@ -94,9 +145,12 @@ class GenerationPath:
         watcher = watch_disconnect(receive, disconnected)
         reservation: Reservation | None = None
         try:
-            t0 = time.perf_counter()
+            t0 = record.count_start = time.perf_counter()
             try:
                 count = await engine.counter.count(*counting_view(request))
+                record.count_end = time.perf_counter()
+                record.prompt_tokens = count.total
+                record.count_method = count.method.value
                 self.metrics.counted(count)
                 t1 = time.perf_counter()
                 projection = project_counts(
@@ -111,17 +165,31 @@ class GenerationPath:
                     max_tokens_cap=engine.config.max_tokens_cap,
                 )
             except BadRequest as exc:
+                if record.count_end is None:
+                    record.count_end = time.perf_counter()
                 too_long = exc.code == "context_length_exceeded"
-                self.metrics.refused(Reason.PROMPT_TOO_LONG if too_long else Reason.BAD_REQUEST)
-                await respond(send, refusals.from_error(exc))
+                reason = Reason.PROMPT_TOO_LONG if too_long else Reason.BAD_REQUEST
+                self.metrics.refused(reason)
+                _refused(record, reason)
+                await _respond(send, record, refusals.from_error(exc))
                 return
+            record.projected_blocks = projection.peak_blocks
             self.metrics.projected(projection, engine.config.bytes_per_block)
             klass = request_class(
                 endpoint, request.requested_max_tokens, _header(scope, CLASS_HEADER)
             )
             prefix = count.prefix
+            pin = _header(scope, DP_RANK_HEADER)
+            pin = pin.strip() if pin is not None and pin.strip().isdigit() else None
+            pinnable = endpoint in _PINNABLE
+            record.admit_start = time.perf_counter()
             decision = self.gate.try_admit(
-                projection, streamed=request.stream, klass=klass, prefix=prefix
+                projection,
+                streamed=request.stream,
+                klass=klass,
+                prefix=prefix,
+                pin=pin,
+                pinnable=pinnable,
             )
             self.metrics.decision_time(time.perf_counter() - t1)
             if decision is None:  # queue it
@@ -131,16 +199,21 @@ class GenerationPath:
                     cancelled=disconnected,
                     klass=klass,
                     prefix=prefix,
+                    pin=pin,
+                    pinnable=pinnable,
                 )
                 self.metrics.queue_waited(decision.waited_seconds)
+            record.admit_end = time.perf_counter()
+            _decided(record, decision)
             self.metrics.decided(decision)
             if decision.outcome is Outcome.CANCEL:
                 return
             if not decision.admitted:
-                await respond(send, refusals.from_decision(decision))
+                await _respond(send, record, refusals.from_decision(decision))
                 return
             reservation = decision.reservation
             assert reservation is not None
+            record.reserved_blocks = reservation.reserved_blocks
             if disconnected.is_set():
                 return
             log.debug(
@@ -152,12 +225,22 @@ class GenerationPath:
                 (time.perf_counter() - t0) * 1e6,
             )
             await self._forward(
-                scope, send, raw_path, raw, request, projection, reservation, disconnected
+                scope,
+                send,
+                raw_path,
+                raw,
+                request,
+                projection,
+                reservation,
+                disconnected,
+                record,
+                trace,
             )
         finally:
             watcher.cancel()
             if reservation is not None:
                 self.gate.release(reservation)
+                self.metrics.answered(time.perf_counter() - t0)
 
     async def _read(self, scope: Scope, receive: Receive) -> bytes | None:
         limit = self.max_body_bytes
@@ -178,9 +261,19 @@ class GenerationPath:
         projection: Projection,
         reservation: Reservation,
         disconnected: asyncio.Event,
+        record: RequestRecord,
+        trace: RequestTrace | None,
     ) -> None:
         headers = forward_headers(scope["headers"], drop=_DROP_REQUEST_HEADERS)
+        if record.generated_id:  # vLLM takes it as its request id: its lines match the sidecar's
+            headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
+        if reservation.engine and not reservation.shadows:
+            # data-parallel vLLM: the request goes to the engine whose pool it was admitted in
+            headers = [(k, v) for k, v in headers if k.lower() != DP_RANK_HEADER]
+            headers.append((DP_RANK_HEADER, reservation.engine.encode()))
         url = self.relay.url(raw_path, scope["query_string"])
+        if trace is not None:
+            headers = trace.upstream_headers(headers, url)
         # A non-streamed answer's headers come only when vLLM has finished: watch the client
         # meanwhile, and cancel (vLLM then aborts the generation) if it leaves.
         if not request.stream:
@@ -202,8 +295,12 @@ class GenerationPath:
             response = sending.result()
         except UpstreamError as exc:
             self.metrics.upstream_failed(exc.kind)
-            await respond(send, refusals.from_error(exc))
+            record.upstream_error = exc.kind
+            if trace is not None:
+                trace.upstream_answered(None, exc.kind)
+            await _respond(send, record, refusals.from_error(exc))
             return
+        record.status = response.status_code
 
         gate = self.gate
         tracker = UsageTracker()
@@ -223,13 +320,33 @@ class GenerationPath:
             completed = await self.relay.relay(response, send, disconnected, on_chunk)
         except UpstreamError as exc:
             self.metrics.upstream_failed(exc.kind)
+            record.upstream_error = exc.kind
         finally:
             await response.aclose()
+            if trace is not None:
+                trace.upstream_answered(response.status_code, record.upstream_error)
         tokens = tracker.completion_tokens
         if tokens is None and streamed:
             tokens = tracker.events  # no usage chunk asked for: one event per token per sequence
         if tokens is not None:
+            record.completion_tokens = tokens
             self.metrics.completed(tokens)
             # only natural ends teach the expected-mode learner how long answers run
             if completed and response.status_code == 200:
                 reservation.completion_tokens = tokens
+
+
+def _refused(record: RequestRecord, reason: Reason) -> None:
+    record.decision = Outcome.REJECT.value
+    record.reason = reason.value
+
+
+def _decided(record: RequestRecord, decision: Decision) -> None:
+    record.decision = decision.outcome.value
+    record.reason = decision.reason.value
+    record.queue_wait_s = round(decision.waited_seconds, 6)
+
+
+async def _respond(send: Send, record: RequestRecord, response: refusals.Response) -> None:
+    record.status = response[0]
+    await respond(send, response)

@@ -9,6 +9,7 @@ cancels the upstream request (vLLM then aborts the generation).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from sidecar.counting import GENERATION_PATHS
@@ -19,6 +20,7 @@ from sidecar.http.headers import forward_headers
 from sidecar.http.relay import Relay, respond, watch_disconnect
 from sidecar.http.seams import MetricsSink, Traffic
 from sidecar.http.types import Receive, Scope, Send
+from sidecar.observability.logs import clip, log_passthrough
 
 _DROP_REQUEST_HEADERS = frozenset({b"host"})
 
@@ -39,6 +41,7 @@ class Proxy:
         metrics: MetricsSink,
         max_headers: int,
         max_header_bytes: int,
+        access_log: bool = False,
     ) -> None:
         self.relay = relay
         self.generation = generation
@@ -46,16 +49,21 @@ class Proxy:
         self.metrics = metrics
         self.max_headers = max_headers
         self.max_header_bytes = max_header_bytes
+        #: an access log line for each request that is not a generation request
+        self.access_log = access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # websockets are not part of vLLM's API; uvicorn runs without lifespan
+        start = time.perf_counter() if self.access_log else 0.0
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         if not raw_path.startswith(b"/"):
             # absolute-form or authority-form targets could name another host: never follow them
             await respond(
                 send, refusals.plain(400, "request target must be a path", code="invalid_target")
             )
+            if self.access_log:
+                _log(scope, 400, start)
             return
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if len(headers) > self.max_headers or (
@@ -70,6 +78,8 @@ class Proxy:
             await respond(
                 send, refusals.plain(431, message, code="request_header_fields_too_large")
             )
+            if self.access_log:
+                _log(scope, 431, start)
             return
         endpoint = None
         if scope["method"] == "POST":
@@ -82,10 +92,13 @@ class Proxy:
         try:
             if endpoint is None:
                 self.traffic.passthrough_in_flight += 1  # a drain waits for these too
+                status = 499  # the client left before an answer began (nginx's code)
                 try:
-                    await self._passthrough(scope, receive, send, raw_path)
+                    status = await self._passthrough(scope, receive, send, raw_path)
                 finally:
                     self.traffic.passthrough_in_flight -= 1
+                    if self.access_log:
+                        _log(scope, status, start)
             else:
                 await self.generation(scope, receive, send, raw_path, endpoint)
         except asyncio.CancelledError:
@@ -96,7 +109,8 @@ class Proxy:
 
     async def _passthrough(
         self, scope: Scope, receive: Receive, send: Send, raw_path: bytes
-    ) -> None:
+    ) -> int:
+        """Relay one request and its answer; the status the client got (499: none)."""
         disconnected = asyncio.Event()
         watcher: asyncio.Task[None] | None = None
 
@@ -131,12 +145,13 @@ class Proxy:
                 response = await self.relay.send(scope["method"], url, headers, content)
             except UpstreamError as exc:
                 if isinstance(exc.__cause__, _ClientGone) or disconnected.is_set():
-                    return
+                    return 499
                 self.metrics.upstream_failed(exc.kind)
-                await respond(send, refusals.from_error(exc))
-                return
+                refusal = refusals.from_error(exc)
+                await respond(send, refusal)
+                return refusal[0]
             except _ClientGone:
-                return
+                return 499
             try:
                 if watcher is None:
                     watcher = watch_disconnect(receive, disconnected)
@@ -145,6 +160,16 @@ class Proxy:
                 self.metrics.upstream_failed(exc.kind)
             finally:
                 await response.aclose()
+            return response.status_code
         finally:
             if watcher is not None:
                 watcher.cancel()
+
+
+def _log(scope: Scope, status: int, start: float) -> None:
+    request_id = None
+    for key, value in scope["headers"]:
+        if key.lower() == b"x-request-id":
+            request_id = clip(bytes(value).decode("latin-1"))
+            break
+    log_passthrough(scope["method"], scope["path"], status, time.perf_counter() - start, request_id)
