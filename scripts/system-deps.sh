@@ -7,8 +7,9 @@ need=()
 command -v prometheus >/dev/null || need+=(prometheus)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v kubectl >/dev/null || need+=(kubectl)
+# nginx: tests/test_deploy.py checks deploy/gateway/nginx.conf with `nginx -t` and runs it.
+command -v nginx >/dev/null || PATH="$PATH:/usr/sbin" command -v nginx >/dev/null || need+=(nginx)
 if [[ "${1:-}" == "--bench" ]]; then
-  command -v nginx >/dev/null || need+=(nginx)
   command -v wrk >/dev/null || need+=(wrk)
 fi
 [[ ${#need[@]} -eq 0 ]] && exit 0
