@@ -320,6 +320,40 @@ def test_retry_after_is_when_the_trajectories_make_room_and_spreads_a_burst() ->
     assert ac.pools[0].retry.bookings == 2
 
 
+def test_a_retry_of_the_same_request_takes_its_own_slot_not_one_behind_it() -> None:
+    """The same body refused again (a client honouring Retry-After, or nginx retrying) replaces
+    its booking: it is told the same slot, not one behind itself; another request still queues
+    behind it; and admitting it uses up its own booking, not another's."""
+    clock = Clock()
+    ac = controller(clock, policy="reject")
+    ac.on_snapshot(snapshot(clock, generated=0, running=1))
+    running = [ac.try_admit(proj(prompt=100, max_tokens=924), streamed=True) for _ in range(7)]
+    for d in running:
+        assert d is not None and d.reservation is not None
+        ac.started(d.reservation)
+        ac.progressed(d.reservation, 700)
+    clock.now += 1.0
+    ac.on_snapshot(snapshot(clock, generated=7 * 50, running=7))
+    big = proj(prompt=900, max_tokens=124, n=4)
+    first = ac.try_admit(big, streamed=True, key=1)
+    assert first is not None and first.retry_after is not None
+    for _ in range(5):  # it comes back, and is refused again each time
+        again = ac.try_admit(big, streamed=True, key=1)
+        assert again is not None and again.retry_after == pytest.approx(first.retry_after)
+    assert ac.pools[0].retry.bookings == 1
+    other = ac.try_admit(big, streamed=True, key=2)
+    assert other is not None and other.retry_after is not None
+    assert other.retry_after > first.retry_after + 1.0  # behind the first, as before
+    # without fingerprints the five retries had pushed each other back
+    anonymous = [ac.try_admit(big, streamed=True) for _ in range(2)]
+    assert anonymous[1] is not None and anonymous[0] is not None
+    assert anonymous[1].retry_after is not None and anonymous[0].retry_after is not None
+    assert anonymous[1].retry_after > anonymous[0].retry_after
+    assert ac.pools[0].retry.bookings == 4
+    ac.pools[0].retry.admitted(1)
+    assert ac.pools[0].retry.bookings == 3
+
+
 def test_stale_metrics_open_and_closed() -> None:
     clock = Clock()
     ac = controller(clock, policy="reject", stale_after=5)

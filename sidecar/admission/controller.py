@@ -60,6 +60,7 @@ class Ask:
     prefix: tuple[BlockHashes, ...] | None = None
     pin: str | None = None  # the engine the client chose (its X-data-parallel-rank header)
     pinnable: bool = True  # its endpoint lets the sidecar choose the engine
+    key: int | None = None  # the request's fingerprint (its body's digest): a retry is known
 
 
 @dataclass(eq=False)
@@ -349,9 +350,13 @@ class AdmissionController:
         return None
 
     def _admit(
-        self, pool: Pool, candidate: Reservation, shadows: list[tuple[Pool, Reservation]]
+        self,
+        pool: Pool,
+        candidate: Reservation,
+        shadows: list[tuple[Pool, Reservation]],
+        key: int | None = None,
     ) -> Reservation:
-        pool.retry.admitted()
+        pool.retry.admitted(key)
         res = pool.ledger.add(candidate)
         res.engine = pool.engine
         for other, shadow in shadows:
@@ -389,6 +394,7 @@ class AdmissionController:
         prefix: tuple[BlockHashes, ...] | None = None,
         pin: str | None = None,
         pinnable: bool = True,
+        key: int | None = None,
     ) -> Decision | None:
         """Decide at once; None means "queue it" (the caller then awaits :meth:`wait`)."""
         if self.draining:
@@ -401,7 +407,7 @@ class AdmissionController:
                 retry_after=MIN_RETRY_AFTER,
                 message="vLLM's metrics are stale; refusing (stale policy closed)",
             )
-        ask = Ask(projection, streamed, klass, prefix, pin, pinnable)
+        ask = Ask(projection, streamed, klass, prefix, pin, pinnable, key)
         if self.policy is Policy.observe:
             # dry run: account for everything, gate nothing
             placed = None if self._queue else self._place(ask)
@@ -412,7 +418,7 @@ class AdmissionController:
                     Reason.OBSERVED,
                     reservation=self._admit(pool, self._candidate(pool, ask), []),
                 )
-            return Decision(Outcome.ADMIT, Reason.FITS, reservation=self._admit(*placed))
+            return Decision(Outcome.ADMIT, Reason.FITS, reservation=self._admit(*placed, ask.key))
         budgets = [self.budget_blocks(p) for p in self._eligible(ask)]
         budget = None if None in budgets else max(b for b in budgets if b is not None)
         if budget is not None and projection.exact and projection.peak_blocks > budget:
@@ -428,7 +434,7 @@ class AdmissionController:
             )
         if not self._queue and (placed := self._place(ask)) is not None:
             reason = Reason.STALE_OPEN if stale else Reason.FITS
-            return Decision(Outcome.ADMIT, reason, reservation=self._admit(*placed))
+            return Decision(Outcome.ADMIT, reason, reservation=self._admit(*placed, ask.key))
         if self.policy is Policy.reject:
             return self._refuse(Reason.KV_CACHE_FULL, "the KV cache is full; retry later", ask)
         if len(self._queue) >= self.max_queue_depth:
@@ -445,10 +451,11 @@ class AdmissionController:
         prefix: tuple[BlockHashes, ...] | None = None,
         pin: str | None = None,
         pinnable: bool = True,
+        key: int | None = None,
     ) -> Decision:
         """Queue a request until it fits, its wait runs out, or ``cancelled`` is set."""
         loop = asyncio.get_running_loop()
-        ask = Ask(projection, streamed, klass, prefix, pin, pinnable)
+        ask = Ask(projection, streamed, klass, prefix, pin, pinnable, key)
         waiter = _Waiter(ask, self._clock(), loop.create_future())
         self._queue.append(waiter)
         self._queued_peak_blocks += projection.peak_blocks
@@ -511,7 +518,7 @@ class AdmissionController:
                 return
             self._queue.popleft()
             self._queued_peak_blocks -= head.ask.projection.peak_blocks
-            head.future.set_result(self._admit(*placed))
+            head.future.set_result(self._admit(*placed, head.ask.key))
 
     def started(self, res: Reservation) -> None:
         """vLLM holds the request's prompt now (its first token came, or it was handed over)."""
@@ -562,6 +569,7 @@ class AdmissionController:
             seconds_per_step=pool.view.seconds_per_step,
             fallback=lambda: self._release_rate_estimate(pool, candidate, ahead),
             book=book,
+            key=ask.key,
         )
 
     def _release_rate_estimate(

@@ -7,6 +7,13 @@ coming back too: each refusal books the slot it was given (a trajectory that sta
 that the next refusal is told a later time instead of the same one, and a burst of clients that
 honour Retry-After return in turn rather than all at once. A booking ends when its time has
 passed (plus a grace) or when a request is admitted in its place.
+
+A retry is the same request again (the official clients and gateways such as nginx resend the
+same body): bookings carry the request's fingerprint (a digest of its body), and a request that
+comes back takes its own booking out of the plan, whether it is admitted or refused again (then
+it is booked anew). Without this, every refusal of one request stayed booked until its grace ran
+out, and a burst of clients retrying pushed each other's slots out to the 60 s cap while the
+pool sat idle (BENCHMARKS.md, the fleet run).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class _Booking:
     trajectories: Columns  # the refused request (it starts at its slot)
     slot_at: float  # monotonic time the client was told to come back
     expires_at: float
+    key: int | None = None  # the request's fingerprint: its retry is recognised
 
 
 class RetryPlanner:
@@ -51,12 +59,22 @@ class RetryPlanner:
         self._bookings = [b for b in self._bookings if b.expires_at > now]
         return self._bookings
 
-    def admitted(self) -> None:
-        """A request was admitted: the earliest booking whose slot has come is used up."""
+    def admitted(self, key: int | None = None) -> None:
+        """A request was admitted: its own booking (``key``), else the earliest booking whose
+        slot has come, is used up."""
+        if key is not None and self._forget(key):
+            return
         now = self._clock()
         due = [b for b in self._live() if b.slot_at <= now]
         if due:
             self._bookings.remove(min(due, key=lambda b: b.slot_at))
+
+    def _forget(self, key: int) -> bool:
+        """Drop the booking of the request with fingerprint ``key``; whether there was one."""
+        kept = [b for b in self._bookings if b.key != key]
+        dropped = len(kept) != len(self._bookings)
+        self._bookings = kept
+        return dropped
 
     def plan(
         self,
@@ -68,15 +86,21 @@ class RetryPlanner:
         seconds_per_step: float | None,
         fallback: Callable[[], float],
         book: bool = True,
+        key: int | None = None,
     ) -> float:
         """Seconds until ``candidate`` would fit, after ``ahead`` (queued before it) and the
         requests refused before it; books that slot (unless ``book`` is False: a what-if, for
-        choosing among several engines' pools)."""
+        choosing among several engines' pools). ``key``: the request's fingerprint; a booking it
+        already had is its own, not another request's, and is replaced."""
+        if book and key is not None:
+            self._forget(key)
         if budget_blocks is None or seconds_per_step is None or seconds_per_step <= 0:
             return _clamp(fallback())
         now = self._clock()
         others = self.ledger.trajectories(ahead)
         for booking in self._live():
+            if key is not None and booking.key == key:
+                continue  # its own earlier slot (a what-if leaves it booked)
             steps_to_slot = max(0, round((booking.slot_at - now) / seconds_per_step))
             others.add_delayed(booking.trajectories, steps_to_slot)
         own = self.ledger.trajectories([candidate], in_flight=False)
@@ -88,7 +112,7 @@ class RetryPlanner:
         seconds = _clamp(max(steps, 1) * seconds_per_step * _LATE_SHARE + _LATE_S)
         if book and len(self._bookings) < MAX_BOOKINGS:
             grace = max(_MIN_GRACE_S, _GRACE_SHARE * seconds)
-            self._bookings.append(_Booking(own, now + seconds, now + seconds + grace))
+            self._bookings.append(_Booking(own, now + seconds, now + seconds + grace, key))
         return seconds
 
     @property

@@ -190,6 +190,7 @@ class GenerationPath:
                 prefix=prefix,
                 pin=pin,
                 pinnable=pinnable,
+                key=hash(raw),  # a retry sends the same body: its Retry-After slot is its own
             )
             self.metrics.decision_time(time.perf_counter() - t1)
             if decision is None:  # queue it
@@ -201,6 +202,7 @@ class GenerationPath:
                     prefix=prefix,
                     pin=pin,
                     pinnable=pinnable,
+                    key=hash(raw),
                 )
                 self.metrics.queue_waited(decision.waited_seconds)
             record.admit_end = time.perf_counter()

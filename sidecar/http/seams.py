@@ -36,6 +36,7 @@ class Gate(Protocol):
         prefix: tuple[BlockHashes, ...] | None = None,
         pin: str | None = None,
         pinnable: bool = True,
+        key: int | None = None,
     ) -> Decision | None: ...
 
     async def wait(
@@ -48,6 +49,7 @@ class Gate(Protocol):
         prefix: tuple[BlockHashes, ...] | None = None,
         pin: str | None = None,
         pinnable: bool = True,
+        key: int | None = None,
     ) -> Decision: ...
 
     def started(self, reservation: Reservation) -> None: ...
