@@ -4,6 +4,7 @@ values, and nothing undocumented or unbounded appears."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import re
@@ -128,7 +129,8 @@ def test_state_gauges_follow_the_ledger_and_the_engine() -> None:
 
 def test_every_documented_metric_is_exported_and_nothing_else() -> None:
     registry, metrics, ac, clock = build()
-    ac.on_snapshot(snapshot(clock, used=5, running=1))
+    lora = ((("max_lora", "2"), ("running_lora_adapters", "a"), ("waiting_lora_adapters", "")), 5.0)
+    ac.on_snapshot(dataclasses.replace(snapshot(clock, used=5, running=1), lora_info=lora))
     metrics.on_snapshot()
     ac.reservation_mode = ReservationMode.expected  # the learned lengths are listed then
     for _ in range(ac.learner.min_samples):
@@ -323,3 +325,18 @@ def test_no_quota_or_unreadable_cgroups_mean_the_cpus_available(tmp_path: Path) 
     )
     assert cpu_limit_cores(root, proc) == cpus
     assert parse_cpu_max("max 100000") is None and parse_cpu_max("100000 0") is None
+
+
+def test_vllms_newest_lora_sample_is_relayed_as_it_was() -> None:
+    registry, _, ac, clock = build()
+    ac.on_snapshot(snapshot(clock))
+    text = generate_latest(registry).decode()
+    assert "vllm:lora_requests_info" not in text  # vLLM serves no LoRA: nothing relayed
+    labels = (
+        ("max_lora", "4"),
+        ("running_lora_adapters", "sql,chat"),
+        ("waiting_lora_adapters", ""),
+    )
+    ac.on_snapshot(dataclasses.replace(snapshot(clock), lora_info=(labels, 1764500000.5)))
+    sample = registry.get_sample_value("vllm:lora_requests_info", dict(labels))
+    assert sample == 1764500000.5

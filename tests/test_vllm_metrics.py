@@ -334,3 +334,20 @@ def test_inter_token_latency_is_read() -> None:
     old = 'vllm:time_per_output_token_seconds_sum{engine="0"} 2.0\n'
     old += 'vllm:time_per_output_token_seconds_count{engine="0"} 100.0\n'
     assert parse(old).inter_token_latency_sum == 2.0  # the name before vLLM renamed it
+
+
+def test_the_newest_lora_sample_is_kept() -> None:
+    """vLLM sets vllm:lora_requests_info to the time of each update, under the adapters' names;
+    older label sets stay with older times."""
+    text = (CAPTURES / "metrics-under-load.txt").read_text() + (
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",'
+        'waiting_lora_adapters=""} 1764500000.0\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",'
+        'waiting_lora_adapters="c"} 1764500009.0\n'
+    )
+    snap = parse(text)
+    assert snap.lora_info == (
+        (("max_lora", "2"), ("running_lora_adapters", "a,b"), ("waiting_lora_adapters", "c")),
+        1764500009.0,
+    )
+    assert parse((CAPTURES / "metrics-under-load.txt").read_text()).lora_info is None

@@ -65,6 +65,9 @@ _PREEMPTIONS = "num_preemptions_total"
 _GENERATION_TOKENS = "generation_tokens_total"
 _ITL_SUM = "inter_token_latency_seconds_sum"  # vLLM's histogram of the time between tokens
 _ITL_COUNT = "inter_token_latency_seconds_count"
+#: LoRA adapters running and waiting, as labels of a gauge vLLM sets to the time of each update
+#: (old label sets stay, with older times): relayed for the llm-d endpoint picker
+_LORA_INFO = "lora_requests_info"
 
 _OLD_NAMES: dict[str, str] = {
     "gpu_cache_usage_perc": _KV_USAGE,  # vLLM V0 and early V1
@@ -80,6 +83,7 @@ _WANTED = frozenset(
         _GENERATION_TOKENS,
         _ITL_SUM,
         _ITL_COUNT,
+        _LORA_INFO,
         *_OLD_NAMES,
     }
 )
@@ -122,6 +126,8 @@ class EngineSnapshot:
     has_cache_config: bool
     inter_token_latency_sum: float = 0.0  # seconds between consecutive tokens of a request,
     inter_token_latency_count: float = 0.0  # summed and counted: a decode step's duration
+    #: the newest ``vllm:lora_requests_info`` sample (its labels and value), when vLLM serves LoRA
+    lora_info: tuple[tuple[tuple[str, str], ...], float] | None = None
     engine: str = ""  # vLLM's ``engine`` label, in a per-engine snapshot
     per_engine: tuple[EngineSnapshot, ...] = ()  # data parallel: one per engine, in rank order
 
@@ -181,6 +187,7 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
 
     # canonical name -> engine -> labels of the first sample, and summed value
     by_name: dict[str, dict[str, _Sample]] = {}
+    lora: tuple[tuple[tuple[str, str], ...], float] | None = None
     old: dict[str, dict[str, _Sample]] = {}
     for line in lines:
         try:
@@ -189,7 +196,10 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
             raise MetricsParseError(one_line(f"malformed line {line[:120]!r}: {exc}")) from exc
         for sample in samples:
             short = sample.name[5:]  # both accepted prefixes are five characters
-            if short in _OLD_NAMES:
+            if short == _LORA_INFO:
+                if math.isfinite(sample.value) and (lora is None or sample.value > lora[1]):
+                    lora = (tuple(sorted(sample.labels.items())), sample.value)
+            elif short in _OLD_NAMES:
                 _add(old.setdefault(_OLD_NAMES[short], {}), sample.labels, sample.value)
             elif short in _WANTED:
                 _add(by_name.setdefault(short, {}), sample.labels, sample.value)
@@ -227,6 +237,7 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         kv_cache_memory_bytes=_label_int(first_config, "kv_cache_memory_bytes"),
         has_cache_config=bool(config),
         per_engine=per_engine,
+        lora_info=lora,
     )
 
 

@@ -451,6 +451,9 @@ class StateCollector(Collector):
         )
         if info is not None:
             out.append(vllm_cache_config_info(info))
+        snap = self.admission.snapshot
+        if snap is not None and snap.lora_info is not None:
+            out.append(vllm_lora_requests_info(*snap.lora_info))
         return out
 
 
@@ -458,6 +461,23 @@ class StateCollector(Collector):
 #: core-metrics-extractor reads (``cacheInfoSpec``: block_size and num_gpu_blocks as labels of an
 #: info-style gauge) from the one port it scrapes per pod: the sidecar's metrics port.
 VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
+
+
+VLLM_LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+
+
+def vllm_lora_requests_info(labels: tuple[tuple[str, str], ...], value: float) -> GaugeMetricFamily:
+    """vLLM's newest ``vllm:lora_requests_info`` sample, relayed as it was (its labels name the
+    running and waiting adapters and ``max_lora``; its value is the time vLLM set it), for the
+    endpoint picker's ``loraSpec``."""
+    family = GaugeMetricFamily(
+        VLLM_LORA_REQUESTS_INFO,
+        "Running stats on lora requests (vLLM's newest sample, relayed by the kv-sidecar for the "
+        "endpoint picker).",
+        labels=[k for k, _ in labels],
+    )
+    family.add_metric([v for _, v in labels], value)
+    return family
 
 
 def vllm_cache_config_info(info: EngineConfig) -> GaugeMetricFamily:
