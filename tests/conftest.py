@@ -10,10 +10,12 @@ served model's name, its context, block size, pool and bytes per block from the 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from harness.vllm_cpu import VllmServer
@@ -42,9 +44,41 @@ def vllm() -> Iterator[VllmInfo]:
     server = VllmServer(num_gpu_blocks=SESSION_BLOCKS)
     server.start()
     try:
-        yield server.info()
+        info = server.info()
+        warm_up(info)
+        yield info
     finally:
         server.stop()
+
+
+def warm_up(info: VllmInfo) -> None:
+    """Eight short streamed answers at once, sent straight to a fresh vLLM.
+
+    The first batch a fresh vLLM CPU server decodes was seen to hold every stream back: in one
+    fresh-clone CI run the session's first test got all eight of its streams' tokens at their
+    end, 2 s later, so that the eight had ended before the test could see them running. The
+    warm-up pays that once, before any test measures anything (tests read vLLM's counters as
+    differences, never as absolute values).
+    """
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+
+            async def one(k: int) -> None:
+                body = {
+                    "model": info.served_name,
+                    "prompt": f"warm up {k} " * 40,
+                    "max_tokens": 32,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                async with client.stream("POST", info.url + "/v1/completions", json=body) as resp:
+                    async for _ in resp.aiter_lines():
+                        pass
+
+            await asyncio.gather(*(one(k) for k in range(8)))
+
+    asyncio.run(run())
 
 
 @pytest.fixture

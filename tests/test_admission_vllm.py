@@ -162,6 +162,10 @@ def test_long_answers_at_different_stages_are_admitted_by_their_future_peak(
                     await asyncio.sleep(0.005)
             finally:
                 os.killpg(pid, signal.SIGCONT)
+            # the eight are early in their answers (the test's premise: they peak at different
+            # times, after the ninth is admitted)
+            assert not any(t.done() for t in tasks), f"ended before the ninth: {events}"
+            assert all(e < n // 2 for e, n in zip(events, lengths, strict=False)), events
             tasks.append(asyncio.ensure_future(one(8, prompts[8], 900)))
             return list(await sampler.run(asyncio.gather(*tasks)))
 
