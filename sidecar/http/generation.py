@@ -179,9 +179,10 @@ class GenerationPath:
                 endpoint, request.requested_max_tokens, _header(scope, CLASS_HEADER)
             )
             prefix = count.prefix
-            pin = _header(scope, DP_RANK_HEADER)
-            pin = pin.strip() if pin is not None and pin.strip().isdigit() else None
+            rank = (_header(scope, DP_RANK_HEADER) or "").strip()
+            pin = rank if rank.isdigit() else None
             pinnable = endpoint in _PINNABLE
+            key = hash(raw)  # a retry sends the same body: its Retry-After slot is its own
             record.admit_start = time.perf_counter()
             decision = self.gate.try_admit(
                 projection,
@@ -190,7 +191,7 @@ class GenerationPath:
                 prefix=prefix,
                 pin=pin,
                 pinnable=pinnable,
-                key=hash(raw),  # a retry sends the same body: its Retry-After slot is its own
+                key=key,
             )
             self.metrics.decision_time(time.perf_counter() - t1)
             if decision is None:  # queue it
@@ -202,7 +203,7 @@ class GenerationPath:
                     prefix=prefix,
                     pin=pin,
                     pinnable=pinnable,
-                    key=hash(raw),
+                    key=key,
                 )
                 self.metrics.queue_waited(decision.waited_seconds)
             record.admit_end = time.perf_counter()
