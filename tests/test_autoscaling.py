@@ -238,7 +238,9 @@ def test_keda_asks_for_four_pods_at_once(overloaded: Overloaded) -> None:
     (pods' budgets) and asks for ceil(3 / 0.8) = 4 replicas from one."""
     scalers = overloaded.scalers
     values = [s.value for s in overloaded.keda]
-    assert len(values) >= (LOAD_SECONDS - SETTLE_SECONDS) / STEP_SECONDS - 2, values
+    # one sample per step, less the scrapes that ran past their 1 s timeout on a loaded machine
+    # (Prometheus marks the series stale until the next scrape; a fresh-clone CI run lost 5 of 16)
+    assert len(values) >= (LOAD_SECONDS - SETTLE_SECONDS) / STEP_SECONDS / 2, values
     desired = [
         keda_desired(v, scalers.keda_threshold, scalers.keda_metric_type, current=1) for v in values
     ]

@@ -156,14 +156,20 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
                 )
             )
             # All five in flight at the sidecar, every stream's headers relayed (vLLM accepted
-            # it); then vLLM is frozen (SIGSTOP) so that none can end before the kill, however
-            # fast it decodes and however far behind this client reads (vLLM merges a slow
-            # consumer's tokens into fewer events: counting events proves nothing). Until then
-            # vLLM runs in 20 ms pulses: on a loaded machine this client can take seconds to
-            # see the headers, and vLLM must not finish 900 tokens meanwhile.
+            # it), and none can end before the kill, however fast vLLM decodes and however far
+            # behind this client reads (vLLM merges a slow consumer's tokens into fewer events:
+            # counting events proves nothing). vLLM's engine core and worker are frozen from the
+            # start (SIGSTOP to its process group, SIGCONT to the API server alone, the group's
+            # leader): the API server renders the prompts and answers with its headers without
+            # the engine, and no token is made. Were it ever to wait on the engine, the engine
+            # gets a 20 ms pulse each second without progress. (20 ms pulses between checks were
+            # not enough: a fresh-clone CI run finished a 900-token answer before the client saw
+            # the five requests' headers.)
+            os.killpg(server.proc.pid, signal.SIGSTOP)
+            os.kill(server.proc.pid, signal.SIGCONT)
             deadline = time.monotonic() + 120
+            pulse_at = time.monotonic() + 1.0
             while True:
-                os.killpg(server.proc.pid, signal.SIGSTOP)
                 before = await asyncio.to_thread(state, sc)
                 if before["in_flight"] == 5 and all(s.status == 200 for s in streams):
                     break
@@ -172,8 +178,14 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
                     f"120 s: {before}, {streams}"
                 )
                 assert not any(t.done() for t in tasks), (before, streams, sc.log()[-3000:])
-                os.killpg(server.proc.pid, signal.SIGCONT)
-                await asyncio.sleep(0.02)
+                if time.monotonic() >= pulse_at:
+                    os.killpg(server.proc.pid, signal.SIGCONT)
+                    await asyncio.sleep(0.02)
+                    os.killpg(server.proc.pid, signal.SIGSTOP)
+                    os.kill(server.proc.pid, signal.SIGCONT)
+                    pulse_at = time.monotonic() + 1.0
+                await asyncio.sleep(0.05)
+            os.killpg(server.proc.pid, signal.SIGSTOP)  # the API server too: nothing relayed
             before = await asyncio.to_thread(state, sc)
             assert before["in_flight"] == 5 and before["reserved_blocks"] > 0, (before, streams)
 
