@@ -416,6 +416,20 @@ def test_expected_mode_reserves_the_learned_length_per_class() -> None:
     assert ac.ends(proj(), "chat:1024")[0] > 70  # tightened after vLLM preempted
 
 
+def test_a_class_with_a_full_window_keeps_its_learned_length() -> None:
+    """A long-served class (hundreds of answers) stays learned: the binomial bound's first term,
+    0.05 ** n, is below the smallest float from 237 answers on, and the bound computed with it
+    fell back to the prior (all of max_tokens) once a class had that many."""
+    clock = Clock()
+    ac = controller(clock, reservation="expected")
+    for n in range(1, 513):
+        ac.learner.observe("chat:1024", n % 100 + 1)  # 1..100, evenly
+        learned = ac.learner.learned("chat:1024")
+        assert (learned is None) == (n < ac.learner.min_samples), (n, learned)
+    (end,) = ac.ends(proj(), "chat:1024")
+    assert 95 <= end <= 100  # a bound on the 0.95 quantile: at or above it, not max_tokens
+
+
 def test_expected_mode_starts_from_its_prior() -> None:
     clock = Clock()
     assert controller(clock, reservation="expected", expected_prior=0.1).ends(proj()) == (70,)

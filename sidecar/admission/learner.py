@@ -40,14 +40,16 @@ def min_samples_for(quantile: float, confidence: float) -> int:
 
 def _order_statistic_rank(n: int, quantile: float, confidence: float) -> int | None:
     """Smallest k (1-based) with P(X_(k) >= the quantile) >= confidence, None if none."""
-    # P(X_(k) >= q-quantile) = P(Binomial(n, quantile) <= k - 1)
+    # P(X_(k) >= q-quantile) = P(Binomial(n, quantile) <= k - 1); the terms in logs: P(B = 0)
+    # alone, 0.05 ** n, is below the smallest float from n = 237 on
     cdf = 0.0
-    term = (1.0 - quantile) ** n  # P(B = 0)
+    log_term = n * math.log1p(-quantile)  # log P(B = 0)
+    log_ratio = math.log(quantile) - math.log1p(-quantile)
     for k in range(1, n + 1):
-        cdf += term
+        cdf += math.exp(log_term)
         if cdf >= confidence:
             return k
-        term *= (n - k + 1) / k * quantile / (1.0 - quantile)  # P(B = k) from P(B = k - 1)
+        log_term += math.log(n - k + 1) - math.log(k) + log_ratio  # log P(B = k)
     return None
 
 
