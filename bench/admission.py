@@ -75,7 +75,7 @@ from harness.bench_util import (
     write_json,
 )
 from harness.tiny_model import WORDS
-from harness.vllm_cpu import VLLM_CPU_VERSION, VllmServer, ensure_model
+from harness.vllm_cpu import SERVED_NAME, VLLM_CPU_VERSION, VllmServer, ensure_model
 from harness.workload import SidecarProcess, make_prompts, metric_value, vllm_preemptions
 
 NUM_GPU_BLOCKS = 64
@@ -105,8 +105,17 @@ CONFIGS = [
     "sidecar-worst-case-reject",
     "sidecar-expected-queue",
     "sidecar-expected-reject",
+    "sidecar-expected-warm-queue",
+    "sidecar-expected-optimistic-queue",
     "oracle",
 ]
+#: expected mode's cold starts besides the default (prior 1: worst case until a class has enough
+#: answers): ``warm`` restarts into a --lengths-file that holds the true lengths of this workload's
+#: requests (what a sidecar that served the same traffic before would have kept), ``optimistic``
+#: starts from --expected-prior OPTIMISTIC_PRIOR (watched by the preemption counter's boost)
+OPTIMISTIC_PRIOR = 0.25
+#: answers per class in the warm configuration's lengths file
+KEPT_PER_CLASS = 256
 SIDECAR_CONFIGS = [c for c in CONFIGS if c.startswith("sidecar-")]
 WORKLOADS = ["burst", "poisson", "chat", "no-max-tokens", "staggered", "mixed"]
 
@@ -696,7 +705,13 @@ def sidecar_args(config: str) -> list[str]:
     if config == "oracle":  # worst case, with every client naming its real length as max_tokens
         config = "sidecar-worst-case-queue"
     reservation, _, policy = config.removeprefix("sidecar-").rpartition("-")
+    extra: list[str] = []
+    if reservation == "expected-optimistic":
+        reservation, extra = "expected", ["--expected-prior", str(OPTIMISTIC_PRIOR)]
+    elif reservation == "expected-warm":
+        reservation = "expected"  # run_config adds the --lengths-file
     return [
+        *extra,
         "--policy",
         policy,
         "--reservation",
@@ -709,6 +724,29 @@ def sidecar_args(config: str) -> list[str]:
         "--log-level",
         "info",
     ]
+
+
+def kept_lengths(workload: Workload) -> Path:
+    """A --lengths-file holding the true answer length of every request of ``workload`` (each
+    turn of a chat), in the class the sidecar learns it in: what a sidecar that had served this
+    traffic before its restart would have kept."""
+    from sidecar.admission import lengths_file
+    from sidecar.admission.learner import LengthLearner, request_class
+
+    seen: dict[str, list[int]] = {}
+    for req in workload.requests:
+        endpoint = "chat" if req.endpoint == "/v1/chat/completions" else "completions"
+        klass = request_class(endpoint, req.body.get("max_tokens"))
+        seen.setdefault(klass, []).extend([req.true_tokens] * max(1, len(req.turns)))
+    # hours of this traffic: each class's lengths over again up to KEPT_PER_CLASS (one run has
+    # fewer answers per class than the learner needs before it trusts a class)
+    learner = LengthLearner()
+    for klass, lengths in seen.items():
+        for i in range(max(len(lengths), KEPT_PER_CLASS)):
+            learner.observe(klass, lengths[i % len(lengths)])
+    path = RESULTS / f".lengths-{workload.name}.json"
+    lengths_file.save(path, learner, model=SERVED_NAME)
+    return path
 
 
 def wait_tokenizer(sidecar: SidecarProcess, timeout: float = 120.0) -> None:
@@ -790,7 +828,10 @@ def run_config(
     sidecar: SidecarProcess | None = None
     shedder: BenchProxy | None = None
     if config.startswith("sidecar-") or config == "oracle":
-        sidecar = SidecarProcess(front_url, *sidecar_args(config)).start()
+        args = sidecar_args(config)
+        if config == "sidecar-expected-warm-queue":
+            args += ["--lengths-file", str(kept_lengths(workload))]
+        sidecar = SidecarProcess(front_url, *args).start()
         wait_tokenizer(sidecar)
         url = sidecar.url
     elif config == "threshold-shedder":
@@ -1015,7 +1056,14 @@ def chart(
     import matplotlib.pyplot as plt
 
     timelines = [
-        c for c in ("sidecar-worst-case-queue", "sidecar-expected-queue", "oracle") if c in runs
+        c
+        for c in (
+            "sidecar-worst-case-queue",
+            "sidecar-expected-queue",
+            "sidecar-expected-warm-queue",
+            "oracle",
+        )
+        if c in runs
     ]
     fig = plt.figure(figsize=(13, 4.2 * (len(timelines) + 1)), layout="constrained")
     grid = fig.add_gridspec(len(timelines) + 1, 2)
@@ -1202,6 +1250,12 @@ def report(results: dict[str, Any], command: str) -> str:
         "600 --max-queue-depth 1024`; each run starts a fresh sidecar, so expected mode starts "
         "every run cold (a class reserves its prior share of max_tokens until it has "
         f"{results.get('sidecar_defaults', {}).get('min_samples', '?')} answers). "
+        "Two other cold starts of expected mode: `sidecar-expected-warm-queue` restarts into a "
+        "`--lengths-file` holding the true answer lengths of the workload's own requests, each "
+        f"class's repeated up to {KEPT_PER_CLASS} answers (what a sidecar that had served this "
+        "traffic for a while would have kept: the most a kept file can give), "
+        "`sidecar-expected-optimistic-queue` starts every class at `--expected-prior "
+        f"{OPTIMISTIC_PRIOR:g}` (a quarter of max_tokens, watched by the preemption counter). "
         + baseline_text(results)
         + "`oracle` is the sidecar in worst-case mode with the queue policy, whose clients set "
         "every request's `max_tokens` to its real answer length: it reserves each answer's true "
