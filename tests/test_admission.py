@@ -320,6 +320,45 @@ def test_retry_after_is_when_the_trajectories_make_room_and_spreads_a_burst() ->
     assert ac.pools[0].retry.bookings == 2
 
 
+def test_retry_after_expects_requests_in_flight_to_end_where_their_class_ends() -> None:
+    """Seven chats without max_tokens hold the pool (each reserved to the end of the context);
+    their class's answers have run 60-130 tokens. A refused request is told to come back when
+    they will likely have ended (the class's upper quartile), not when their reservations would
+    (the whole context): told that, a client came back long after the pool had emptied."""
+    clock = Clock()
+    ac = controller(clock, policy="reject")
+    ac.on_snapshot(snapshot(clock, generated=0, running=1))
+    chat = proj(prompt=100, max_tokens=None)  # the rest of the context: 924 tokens
+    assert chat.max_tokens == (924,)
+
+    generated = [0.0]
+
+    def refused_after() -> float:
+        running = [ac.try_admit(chat, streamed=True, klass="chat:none") for _ in range(7)]
+        for d in running:
+            assert d is not None and d.reservation is not None
+            ac.started(d.reservation)
+            ac.progressed(d.reservation, 20)
+        clock.now += 1.0
+        generated[0] += 350
+        ac.on_snapshot(snapshot(clock, generated=generated[0], running=7))  # 50 steps a second
+        # the same request both times: its second refusal replaces its first booking
+        refused = ac.try_admit(proj(prompt=900, max_tokens=124, n=4), streamed=True, key=1)
+        assert refused is not None and refused.reason == "kv_cache_full"
+        assert refused.retry_after is not None
+        for d in running:
+            assert d is not None and d.reservation is not None
+            ac.release(d.reservation)  # no completion_tokens: nothing learned
+        return refused.retry_after
+
+    cold = refused_after()  # nothing learned yet: their reservations' end, 904 steps away
+    assert cold == pytest.approx(904 * 0.02 * 1.1 + 0.25)
+    for n in range(10):
+        ac.learner.observe("chat:none", 60 + 7 * n)  # 60..123: upper quartile 109
+    warm = refused_after()
+    assert warm == pytest.approx((109 - 20) * 0.02 * 1.1 + 0.25)  # 89 steps: they have ended
+
+
 def test_a_retry_of_the_same_request_takes_its_own_slot_not_one_behind_it() -> None:
     """The same body refused again (a client honouring Retry-After, or nginx retrying) replaces
     its booking: it is told the same slot, not one behind itself; another request still queues

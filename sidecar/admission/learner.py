@@ -31,6 +31,10 @@ from collections.abc import Callable
 
 #: classes kept at most (a header may name classes: the least recently used is dropped)
 MAX_CLASSES = 256
+#: Retry-After takes an in-flight request to end at this quantile of its class's lengths ...
+LIKELY_QUANTILE = 0.75
+#: ... once the class has this many answers
+LIKELY_MIN_SAMPLES = 8
 
 
 def min_samples_for(quantile: float, confidence: float) -> int:
@@ -91,6 +95,7 @@ class LengthLearner:
         self._window = max(window, self.min_samples)
         self._lengths: dict[str, deque[int]] = {}
         self._bound: dict[str, int | None] = {}  # cached per class, None: not enough samples
+        self._likely: dict[str, int | None] = {}  # the same, for likely()
         self._boost = 0.0
         self._boost_at = 0.0
         self._half_life = boost_half_life
@@ -105,9 +110,11 @@ class LengthLearner:
                 oldest = next(iter(self._lengths))
                 del self._lengths[oldest]
                 self._bound.pop(oldest, None)
+                self._likely.pop(oldest, None)
         self._lengths[klass] = lengths  # most recently used last
         lengths.append(max(0, completion_tokens))
         self._bound.pop(klass, None)
+        self._likely.pop(klass, None)
 
     def learned(self, klass: str) -> int | None:
         """The class's length bound, None until it has enough answers."""
@@ -121,6 +128,27 @@ class LengthLearner:
                 bound = sorted(lengths)[rank - 1]
         self._bound[klass] = bound
         return bound
+
+    def likely(self, klass: str) -> int | None:
+        """Where an answer of ``klass`` likely ends: the ``LIKELY_QUANTILE`` of its recent
+        lengths (None below ``LIKELY_MIN_SAMPLES`` answers). Not a reservation: Retry-After
+        uses it to tell when requests in flight will have made room, whatever mode reserves.
+
+        >>> learner = LengthLearner()
+        >>> for n in range(1, 9):
+        ...     learner.observe("chat:none", 10 * n)
+        >>> learner.likely("chat:none"), learner.likely("chat:16")
+        (70, None)
+        """
+        if klass in self._likely:
+            return self._likely[klass]
+        lengths = self._lengths.get(klass)
+        likely: int | None = None
+        if lengths and len(lengths) >= LIKELY_MIN_SAMPLES:
+            ordered = sorted(lengths)
+            likely = ordered[min(len(ordered) - 1, int(LIKELY_QUANTILE * len(ordered)))]
+        self._likely[klass] = likely
+        return likely
 
     def tighten(self) -> None:
         """vLLM preempted: reserve more until the preemptions stop."""

@@ -8,6 +8,13 @@ that the next refusal is told a later time instead of the same one, and a burst 
 honour Retry-After return in turn rather than all at once. A booking ends when its time has
 passed (plus a grace) or when a request is admitted in its place.
 
+Requests in flight are taken to end where their class's answers likely end (the learner's upper
+quartile, once a class has a few answers), not at their reservation's end: a chat without
+``max_tokens`` is reserved to the end of the context, and a client told to wait for that came back
+long after the pool had emptied (BENCHMARKS.md: `--policy reject` lost most of the goodput on the
+workloads whose answers end early). Told too early, a client is refused again with a new slot: one
+round trip, against an idle pool.
+
 A retry is the same request again (the official clients and gateways such as nginx resend the
 same body): bookings carry the request's fingerprint (a digest of its body), and a request that
 comes back takes its own booking out of the plan, whether it is admitted or refused again (then
@@ -87,17 +94,19 @@ class RetryPlanner:
         fallback: Callable[[], float],
         book: bool = True,
         key: int | None = None,
+        likely_end: Callable[[Reservation, int], int] | None = None,
     ) -> float:
         """Seconds until ``candidate`` would fit, after ``ahead`` (queued before it) and the
         requests refused before it; books that slot (unless ``book`` is False: a what-if, for
         choosing among several engines' pools). ``key``: the request's fingerprint; a booking it
-        already had is its own, not another request's, and is replaced."""
+        already had is its own, not another request's, and is replaced. ``likely_end``: where
+        a request in flight will likely end (else at its reservation's end)."""
         if book and key is not None:
             self._forget(key)
         if budget_blocks is None or seconds_per_step is None or seconds_per_step <= 0:
             return _clamp(fallback())
         now = self._clock()
-        others = self.ledger.trajectories(ahead)
+        others = self.ledger.trajectories(ahead, likely_end=likely_end)
         for booking in self._live():
             if key is not None and booking.key == key:
                 continue  # its own earlier slot (a what-if leaves it booked)

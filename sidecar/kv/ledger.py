@@ -215,24 +215,33 @@ class Ledger:
         worst_case: bool = False,
         started_only: bool = False,
         in_flight: bool = True,
+        likely_end: Callable[[Reservation, int], int] | None = None,
     ) -> Columns:
         """The in-flight requests (and ``extra`` candidates, not started) as trajectories.
 
         ``worst_case`` takes every request to its ``max_tokens`` instead of its reserved end;
         ``started_only`` keeps what vLLM runs now (for the prediction of what it holds);
-        ``in_flight=False`` leaves the ledger's own requests out (``extra`` alone).
+        ``in_flight=False`` leaves the ledger's own requests out (``extra`` alone);
+        ``likely_end(res, i)``: where a started request in flight will likely end (Retry-After's
+        guess of when room is made): kept beside each trajectory as the steps until it is gone,
+        while the trajectory itself still runs to its reserved end.
         """
         groups: list[tuple[Reservation, int, int, int, float]] = []  # res, i, generated, end, left
-        active = self._active.values() if in_flight else ()
-        for res in (*active, *extra):
+        gone: list[int | None] = []  # per group: steps until it likely ends (None: at its end)
+        active = tuple(self._active.values()) if in_flight else ()
+        for k, res in enumerate((*active, *extra)):
             if started_only and not res.started:
                 continue
             started = res.started and res.id != 0
             done = int(res.generated) if started else 0
+            likely = likely_end if started and k < len(active) else None
             for i in range(len(res.projection.prompt_tokens)):
                 end = res.projection.max_tokens[i] if worst_case else res.end(i)
                 done_i = min(done, end)
                 groups.append((res, i, done_i, end, end - done_i if started else _NEVER))
+                gone.append(
+                    max(0, min(end, likely(res, i)) - done_i) if likely is not None else None
+                )
         owners = self._prefix_owners(groups)
         out = Columns()
         for k, (res, i, done, end, left) in enumerate(groups):
@@ -243,10 +252,10 @@ class Ledger:
             elsewhere = sum(1 for h in hashes if owners is not None and owners[h][1] != k)
             if hashes and n > 1:
                 # the n sequences of one prompt share its blocks: one holds them, n - 1 do not
-                out.add(prompt, done, end, started, 1, elsewhere)
-                out.add(prompt, done, end, started, n - 1, len(hashes))
+                out.add(prompt, done, end, started, 1, elsewhere, gone[k])
+                out.add(prompt, done, end, started, n - 1, len(hashes), gone[k])
             else:
-                out.add(prompt, done, end, started, n, elsewhere)
+                out.add(prompt, done, end, started, n, elsewhere, gone[k])
         return out
 
     def _prefix_owners(

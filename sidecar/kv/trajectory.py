@@ -90,11 +90,22 @@ class Columns:
     """Trajectories as columns, the form the profile computes on (appending to lists is cheaper
     than building objects; the ledger fills one of these directly)."""
 
-    __slots__ = ("end", "held", "left", "prompt", "shared", "w_shared", "w_weight", "weight")
+    __slots__ = (
+        "end",
+        "gone",
+        "held",
+        "left",
+        "prompt",
+        "shared",
+        "w_shared",
+        "w_weight",
+        "weight",
+    )
 
     def __init__(self, trajectories: Iterable[Trajectory] = ()) -> None:
         self.held: list[int] = []  # started: prompt + generated
         self.left: list[int] = []  # started: steps to its end
+        self.gone: list[int] = []  # started: steps until it likely ends (<= left)
         self.weight: list[int] = []
         self.shared: list[int] = []
         self.prompt: list[int] = []  # not started
@@ -105,11 +116,20 @@ class Columns:
             self.add(t.prompt_tokens, t.generated, t.end, t.started, t.sequences, t.shared_blocks)
 
     def add(
-        self, prompt: int, generated: int, end: int, started: bool, sequences: int, shared: int
+        self,
+        prompt: int,
+        generated: int,
+        end: int,
+        started: bool,
+        sequences: int,
+        shared: int,
+        gone: int | None = None,
     ) -> None:
         if started:
+            left = max(0, end - generated)
             self.held.append(prompt + generated)
-            self.left.append(max(0, end - generated))
+            self.left.append(left)
+            self.gone.append(left if gone is None else min(left, gone))
             self.weight.append(sequences)
             self.shared.append(shared)
         else:
@@ -130,6 +150,7 @@ class Columns:
         ):
             self.held.append(max(0, prompt - steps))
             self.left.append(end + steps)
+            self.gone.append(end + steps)
             self.weight.append(weight)
             self.shared.append(shared)
 
@@ -283,12 +304,16 @@ def steps_until_fits(
 
     The candidate is tried at ends of started sequences (all of them, or at most
     ``MAX_TRIED_STARTS`` spread over them, always with the last): the others' demand from then
-    on plus the candidate's worst case must stay within the budget.
+    on plus the candidate's worst case must stay within the budget. A started sequence ends
+    where its ``gone`` column says (its likely end, at most its reserved one); until then it
+    runs on towards its reserved end, as admission counts it.
     """
     own = _columns(candidate).arrays()
     if int(_profile(own, blocks)[1].max(initial=0)) > budget_blocks:
         return None
-    held, left, weight, shared, prompt, end, w_weight, w_shared = _columns(trajectories).arrays()
+    columns = _columns(trajectories)
+    held, left, weight, shared, prompt, end, w_weight, w_shared = columns.arrays()
+    gone = np.array(columns.gone, dtype=np.int64)
     _, _, _, _, c_prompt, c_end, c_weight, c_shared = own
     waiting = (
         np.concatenate([prompt, c_prompt]),
@@ -296,12 +321,12 @@ def steps_until_fits(
         np.concatenate([w_weight, c_weight]),
         np.concatenate([w_shared, c_shared]),
     )
-    starts = np.unique(np.append(left, 0))
+    starts = np.unique(np.append(gone, 0))
     if len(starts) > MAX_TRIED_STARTS:
         picks = np.linspace(0, len(starts) - 1, MAX_TRIED_STARTS).round().astype(np.int64)
         starts = starts[np.unique(picks)]
     for step in starts.tolist():
-        keep = left > step
+        keep = gone > step
         moved: Arrays = (
             held[keep] + step,
             left[keep] - step,
