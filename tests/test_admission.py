@@ -359,6 +359,37 @@ def test_retry_after_expects_requests_in_flight_to_end_where_their_class_ends() 
     assert warm == pytest.approx((109 - 20) * 0.02 * 1.1 + 0.25)  # 89 steps: they have ended
 
 
+def test_retry_after_from_every_class_while_a_class_is_cold_and_for_booked_requests() -> None:
+    """A class with too few answers takes the likely length of every class's answers; and a
+    refused request booked at its slot is taken to end at its own likely length, so the next
+    refusal is slotted after that, not after the booked one's whole reservation."""
+    clock = Clock()
+    ac = controller(clock, policy="reject")
+    ac.on_snapshot(snapshot(clock, generated=0, running=1))
+    for n in range(8):  # another class's answers: 40..75, upper quartile 70
+        ac.learner.observe("completions:1024", 40 + 5 * n)
+    running = [
+        ac.try_admit(proj(prompt=100, max_tokens=None), streamed=True, klass="chat:none")
+        for _ in range(7)
+    ]
+    for d in running:
+        assert d is not None and d.reservation is not None
+        ac.started(d.reservation)
+        ac.progressed(d.reservation, 20)
+    clock.now += 1.0
+    ac.on_snapshot(snapshot(clock, generated=350, running=7))  # 50 steps a second
+    big = proj(prompt=900, max_tokens=124, n=4)
+    first = ac.try_admit(big, streamed=True, klass="completions:128", key=1)
+    assert first is not None and first.retry_after is not None
+    # the chats (no answers of their own) likely end at 70, 50 steps from now
+    assert first.retry_after == pytest.approx(50 * 0.02 * 1.1 + 0.25)
+    second = ac.try_admit(big, streamed=True, klass="completions:128", key=2)
+    assert second is not None and second.retry_after is not None
+    # the first, booked at its slot, likely ends 70 steps after it (not 124): the second after
+    slot = round(first.retry_after / 0.02)
+    assert second.retry_after == pytest.approx((slot + 70) * 0.02 * 1.1 + 0.25)
+
+
 def test_a_retry_of_the_same_request_takes_its_own_slot_not_one_behind_it() -> None:
     """The same body refused again (a client honouring Retry-After, or nginx retrying) replaces
     its booking: it is told the same slot, not one behind itself; another request still queues

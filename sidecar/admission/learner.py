@@ -71,6 +71,11 @@ def request_class(endpoint: str, max_tokens: int | None, header: str | None = No
     return f"{endpoint}:{1 << max(4, (max(1, max_tokens) - 1).bit_length())}"
 
 
+def _quantile(lengths: deque[int], quantile: float) -> int:
+    ordered = sorted(lengths)
+    return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
+
+
 class LengthLearner:
     """Per-class completion lengths and the ends expected mode reserves."""
 
@@ -96,6 +101,9 @@ class LengthLearner:
         self._lengths: dict[str, deque[int]] = {}
         self._bound: dict[str, int | None] = {}  # cached per class, None: not enough samples
         self._likely: dict[str, int | None] = {}  # the same, for likely()
+        self._all: deque[int] = deque(maxlen=self._window)  # every class's, for a cold class
+        self._likely_all: int | None = None
+        self._likely_all_stale = False
         self._boost = 0.0
         self._boost_at = 0.0
         self._half_life = boost_half_life
@@ -113,8 +121,10 @@ class LengthLearner:
                 self._likely.pop(oldest, None)
         self._lengths[klass] = lengths  # most recently used last
         lengths.append(max(0, completion_tokens))
+        self._all.append(max(0, completion_tokens))
         self._bound.pop(klass, None)
         self._likely.pop(klass, None)
+        self._likely_all_stale = True
 
     def learned(self, klass: str) -> int | None:
         """The class's length bound, None until it has enough answers."""
@@ -131,24 +141,31 @@ class LengthLearner:
 
     def likely(self, klass: str) -> int | None:
         """Where an answer of ``klass`` likely ends: the ``LIKELY_QUANTILE`` of its recent
-        lengths (None below ``LIKELY_MIN_SAMPLES`` answers). Not a reservation: Retry-After
-        uses it to tell when requests in flight will have made room, whatever mode reserves.
+        lengths, or of every class's while it has fewer than ``LIKELY_MIN_SAMPLES`` (None
+        while all of them together have fewer). Not a reservation: Retry-After uses it to tell
+        when requests in flight will have made room, whatever mode reserves.
 
         >>> learner = LengthLearner()
         >>> for n in range(1, 9):
         ...     learner.observe("chat:none", 10 * n)
-        >>> learner.likely("chat:none"), learner.likely("chat:16")
-        (70, None)
+        >>> learner.likely("chat:none"), learner.likely("chat:16"), LengthLearner().likely("x")
+        (70, 70, None)
         """
         if klass in self._likely:
             return self._likely[klass]
         lengths = self._lengths.get(klass)
-        likely: int | None = None
-        if lengths and len(lengths) >= LIKELY_MIN_SAMPLES:
-            ordered = sorted(lengths)
-            likely = ordered[min(len(ordered) - 1, int(LIKELY_QUANTILE * len(ordered)))]
+        if lengths is None or len(lengths) < LIKELY_MIN_SAMPLES:
+            return self._likely_over_all()  # not cached per class: every answer changes it
+        likely = _quantile(lengths, LIKELY_QUANTILE)
         self._likely[klass] = likely
         return likely
+
+    def _likely_over_all(self) -> int | None:
+        if self._likely_all_stale:
+            self._likely_all_stale = False
+            enough = len(self._all) >= LIKELY_MIN_SAMPLES
+            self._likely_all = _quantile(self._all, LIKELY_QUANTILE) if enough else None
+        return self._likely_all
 
     def tighten(self) -> None:
         """vLLM preempted: reserve more until the preemptions stop."""

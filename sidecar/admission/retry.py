@@ -8,8 +8,9 @@ that the next refusal is told a later time instead of the same one, and a burst 
 honour Retry-After return in turn rather than all at once. A booking ends when its time has
 passed (plus a grace) or when a request is admitted in its place.
 
-Requests in flight are taken to end where their class's answers likely end (the learner's upper
-quartile, once a class has a few answers), not at their reservation's end: a chat without
+Requests in flight, and booked ones, are taken to end where their class's answers likely end
+(the learner's upper quartile; every class's answers while a class has few), not at their
+reservation's end: a chat without
 ``max_tokens`` is reserved to the end of the context, and a client told to wait for that came back
 long after the pool had emptied (BENCHMARKS.md: `--policy reject` lost most of the goodput on the
 workloads whose answers end early). Told too early, a client is refused again with a new slot: one
@@ -112,7 +113,7 @@ class RetryPlanner:
                 continue  # its own earlier slot (a what-if leaves it booked)
             steps_to_slot = max(0, round((booking.slot_at - now) / seconds_per_step))
             others.add_delayed(booking.trajectories, steps_to_slot)
-        own = self.ledger.trajectories([candidate], in_flight=False)
+        own = self.ledger.trajectories([candidate], in_flight=False, likely_end=likely_end)
         steps = steps_until_fits(others, own, budget_blocks - external_blocks, self.ledger.blocks)
         if steps is None:
             return _clamp(fallback())

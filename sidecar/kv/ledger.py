@@ -222,9 +222,9 @@ class Ledger:
         ``worst_case`` takes every request to its ``max_tokens`` instead of its reserved end;
         ``started_only`` keeps what vLLM runs now (for the prediction of what it holds);
         ``in_flight=False`` leaves the ledger's own requests out (``extra`` alone);
-        ``likely_end(res, i)``: where a started request in flight will likely end (Retry-After's
-        guess of when room is made): kept beside each trajectory as the steps until it is gone,
-        while the trajectory itself still runs to its reserved end.
+        ``likely_end(res, i)``: where a started request in flight, or a candidate, will likely end
+        (Retry-After's guess of when room is made): kept beside each trajectory as the steps
+        until it is gone, while the trajectory itself still runs to its reserved end.
         """
         groups: list[tuple[Reservation, int, int, int, float]] = []  # res, i, generated, end, left
         gone: list[int | None] = []  # per group: steps until it likely ends (None: at its end)
@@ -234,7 +234,8 @@ class Ledger:
                 continue
             started = res.started and res.id != 0
             done = int(res.generated) if started else 0
-            likely = likely_end if started and k < len(active) else None
+            # a request in flight that has not started is held at its worst: never freed
+            likely = likely_end if started or k >= len(active) else None
             for i in range(len(res.projection.prompt_tokens)):
                 end = res.projection.max_tokens[i] if worst_case else res.end(i)
                 done_i = min(done, end)

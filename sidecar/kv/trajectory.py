@@ -97,6 +97,7 @@ class Columns:
         "left",
         "prompt",
         "shared",
+        "w_gone",
         "w_shared",
         "w_weight",
         "weight",
@@ -112,6 +113,7 @@ class Columns:
         self.end: list[int] = []
         self.w_weight: list[int] = []
         self.w_shared: list[int] = []
+        self.w_gone: list[int] = []  # not started: output tokens until it likely ends (<= end)
         for t in trajectories:
             self.add(t.prompt_tokens, t.generated, t.end, t.started, t.sequences, t.shared_blocks)
 
@@ -135,6 +137,7 @@ class Columns:
         else:
             self.prompt.append(prompt)
             self.end.append(end)
+            self.w_gone.append(end if gone is None else min(end, gone))
             self.w_weight.append(sequences)
             self.w_shared.append(shared)
 
@@ -145,12 +148,12 @@ class Columns:
         """``other``'s unstarted sequences as if they start ``steps`` from now: started ones
         that are behind by that much (holding a little more than they will before they start,
         the safe side to err on)."""
-        for prompt, end, weight, shared in zip(
-            other.prompt, other.end, other.w_weight, other.w_shared, strict=True
+        for prompt, end, weight, shared, gone in zip(
+            other.prompt, other.end, other.w_weight, other.w_shared, other.w_gone, strict=True
         ):
             self.held.append(max(0, prompt - steps))
             self.left.append(end + steps)
-            self.gone.append(end + steps)
+            self.gone.append(gone + steps)
             self.weight.append(weight)
             self.shared.append(shared)
 
