@@ -5,6 +5,7 @@
     SidecarError
     ├── BadRequest            a request refused before it reaches vLLM (4xx, OpenAI-shaped)
     │   └── PromptError       its prompt cannot be interpreted (vLLM would answer 400)
+    ├── CountingBusy          too many long prompts being counted: shed (429 counting_busy)
     ├── ConfigError           a setting, model config or flag that cannot be used
     │   └── GeometryError     a model config the KV geometry cannot size
     ├── MetricsParseError     vLLM's /metrics text that cannot be read
@@ -58,6 +59,20 @@ class PromptError(BadRequest, ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(one_line(str(message), 1000), param="prompt")
+
+
+class CountingBusy(SidecarError):
+    """A long prompt found every counting slot taken and too long a wait for one: the request is
+    shed (``Reason.COUNTING_BUSY``: 429 with ``Retry-After``), not counted.
+
+    Raised by the prompt counter; the generation path turns it into the refusal.
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.message = message
+        #: seconds until the counting work ahead of the request should be done
+        self.retry_after_s = retry_after_s
 
 
 class ConfigError(SidecarError, ValueError):

@@ -15,12 +15,12 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.admission.controller import AdmissionController
+from sidecar.cgroup import cgroup_quota_cores, cpu_limit_cores, parse_cpu_max
 from sidecar.config import ReservationMode
 from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import project_counts
-from sidecar.observability.cpu import cgroup_quota_cores, cpu_limit_cores, parse_cpu_max
 from sidecar.observability.exporter import Metrics
 from tests.test_admission import Clock, snapshot
 

@@ -45,6 +45,7 @@ class Reason(StrEnum):
     STALE_CLOSED = "stale_closed"
     NOT_READY = "not_ready"
     # refused before the gate
+    COUNTING_BUSY = "counting_busy"
     PROMPT_TOO_LONG = "prompt_too_long"
     BAD_REQUEST = "bad_request"
     # cancelled
@@ -68,6 +69,9 @@ REFUSALS: dict[Reason, Refusal] = {
     Reason.DRAINING: Refusal(503, "service_unavailable_error", "draining"),
     Reason.STALE_CLOSED: Refusal(503, "service_unavailable_error", "engine_metrics_stale"),
     Reason.NOT_READY: Refusal(503, "service_unavailable_error", "engine_not_ready"),
+    # 429, not 503: shedding prompt counting is load, not a broken pod (a 5xx would count
+    # toward a load balancer's outlier ejection)
+    Reason.COUNTING_BUSY: Refusal(429, "rate_limit_error", "counting_busy"),
 }
 
 _ADMIT = (Reason.FITS, Reason.QUEUED, Reason.STALE_OPEN, Reason.OBSERVED)

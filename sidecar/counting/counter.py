@@ -9,8 +9,11 @@ truncates it (:class:`~sidecar.counting.plan.Truncation`, applied here to every 
 
 1. ``exact_local``: the model's own fast tokenizer and chat template, in this process
    (:mod:`sidecar.counting.tokenizer`). Long inputs (more than ``offload_threshold_chars``) are
-   tokenized on a small dedicated thread pool so the event loop keeps serving; short ones
-   inline, where a thread hop would cost more than the work. A sample of local counts is
+   tokenized on a small dedicated thread pool, with the GIL released while the Rust tokenizer
+   works, so the event loop keeps serving; short ones inline, where a thread hop would cost
+   more than the work. Long counts take one of ``max_concurrent_counts`` slots
+   (:mod:`sidecar.counting.slots`); one that would wait more than ``max_count_wait_s`` for a
+   slot is shed with :class:`~sidecar.errors.CountingBusy`. A sample of local counts is
    checked against ``/tokenize`` in the background (:mod:`sidecar.counting.self_check`);
    a shape whose counts differ (vLLM started with its own ``--chat-template``, say) is counted
    upstream from then on.
@@ -42,7 +45,8 @@ includes tools vLLM leaves out: too high, never too low).
 
 Only :class:`PromptError` (a ``BadRequest``) leaves :meth:`PromptCounter.count`: the body's
 prompt cannot be interpreted and vLLM would answer 400 too (or it is ``prompt_embeds``, which
-the sidecar cannot size). Everything else degrades to a less exact method.
+the sidecar cannot size); and :class:`~sidecar.errors.CountingBusy` when long prompts are shed.
+Everything else degrades to a less exact method.
 
 >>> import asyncio
 >>> counter = PromptCounter(client=None, upstream=None, served_model=None, tokenizer_path=None,
@@ -62,6 +66,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,8 +91,9 @@ from sidecar.counting.self_check import (
     SelfCheckSchedule,
     prompt_shape,
 )
+from sidecar.counting.slots import DEFAULT_MAX_COUNT_WAIT_S, CountingSlots, Slot, default_slots
 from sidecar.counting.tokenizer import OFFLOAD_WORKERS, ModelTokenizer, count_locally
-from sidecar.errors import PromptError, SidecarError
+from sidecar.errors import CountingBusy, PromptError, SidecarError
 from sidecar.kv.prefix import BlockHashes, block_hashes
 
 __all__ = ["CountMethod", "PromptCounter", "TokenCount"]
@@ -182,7 +188,9 @@ class PromptCounter:
     engine's; it is also learnt from ``/tokenize`` answers). The first local count of each
     :class:`PromptShape`, then one in ``self_check_every``, is compared with ``/tokenize`` in
     the background and the outcome told to ``observer``. ``block_size`` (vLLM's KV block size)
-    turns on :attr:`TokenCount.prefix`; None costs nothing.
+    turns on :attr:`TokenCount.prefix`; None costs nothing. At most ``max_concurrent_counts``
+    long prompts are tokenized at once (None: the CPUs less one), the others wait up to
+    ``max_count_wait_s`` for a slot (:attr:`slots`).
 
     >>> import asyncio
     >>> counter = PromptCounter(client=None, upstream=None, served_model=None,
@@ -205,6 +213,8 @@ class PromptCounter:
         self_check_every: int = 100,
         observer: CountingObserver | None = None,
         block_size: int | None = None,
+        max_concurrent_counts: int | None = None,
+        max_count_wait_s: float = DEFAULT_MAX_COUNT_WAIT_S,
     ) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens, not {block_size}")
@@ -216,6 +226,11 @@ class PromptCounter:
         self.max_model_len = max_model_len
         self._timeout = httpx.Timeout(upstream_timeout_s)
         self._executor: ThreadPoolExecutor | None = None
+        #: long counts at once and their bounded wait
+        self.slots = CountingSlots(
+            max_concurrent_counts if max_concurrent_counts is not None else default_slots(),
+            max_wait_s=max_count_wait_s,
+        )
         self._local: ModelTokenizer | None = tokenizer
         self._loading: Future[ModelTokenizer | None] | None = None
         self._warnings = _RateLimitedWarning()
@@ -266,7 +281,7 @@ class PromptCounter:
         try:
             plan = plan_count(endpoint, body)
             counts, method, tokens = await self._count(endpoint, plan)
-        except PromptError:
+        except (PromptError, CountingBusy):
             raise
         except Exception as exc:
             # A bug here must cost precision, never the request.
@@ -366,6 +381,8 @@ class PromptCounter:
         if local is not None and usable and shape not in self._mismatched:
             try:
                 tokens = await self._run(plan.chars, count_locally, local, plan)
+            except CountingBusy:
+                raise
             except NeedsUpstream as exc:
                 logger.debug("local count not exact (%s); asking vLLM", exc)
             except Exception as exc:
@@ -544,8 +561,17 @@ class PromptCounter:
     async def _run(self, chars: int, fn: Callable[..., _T], *args: Any) -> _T:
         if chars <= self.offload_threshold_chars:
             return fn(*args)
+        slot = await self.slots.acquire(chars)  # CountingBusy: shed
+        try:
+            work = self._pool().submit(fn, *args)
+        except BaseException:
+            self.slots.release(slot, seconds=None)
+            raise
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool(), fn, *args)
+        # The slot is the thread's until it has finished, even if the request goes away (the
+        # thread cannot be stopped): release it from the thread's end, on the loop.
+        work.add_done_callback(lambda done: _release_soon(loop, self.slots, slot, done))
+        return await asyncio.wrap_future(work)
 
     def _tokenizer(self) -> ModelTokenizer | None:
         if self._local is None and self._loading is not None and self._loading.done():
@@ -558,10 +584,28 @@ class PromptCounter:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
+            # a thread per slot, and one more so that hashing a long prompt's blocks (and the
+            # tokenizer's load) never waits behind the counts
             self._executor = ThreadPoolExecutor(
-                max_workers=OFFLOAD_WORKERS, thread_name_prefix="kv-sidecar-tokens"
+                max_workers=max(OFFLOAD_WORKERS, self.slots.slots + 1),
+                thread_name_prefix="kv-sidecar-tokens",
             )
         return self._executor
+
+
+def _release_soon(
+    loop: asyncio.AbstractEventLoop, slots: CountingSlots, slot: Slot, done: Future[Any]
+) -> None:
+    """From the worker thread (or the loop, for a count cancelled before it started): give the
+    slot back on the loop, learning from the count's wall time if it succeeded."""
+
+    def release() -> None:
+        ok = not done.cancelled() and done.exception() is None
+        seconds = slots.held_s(slot) if ok else None
+        slots.release(slot, seconds=seconds)
+
+    with suppress(RuntimeError):  # the loop has closed: nothing left to release into
+        loop.call_soon_threadsafe(release)
 
 
 def _load_tokenizer(path: Path) -> ModelTokenizer | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +32,10 @@ from sidecar.counting.render import (
 _HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
 #: Tokenizer copies beyond the first: one per worker thread of the counter.
 OFFLOAD_WORKERS = 2
+#: Texts longer than this are tokenized with the GIL released (``encode_batch``); shorter ones
+#: with ``encode``, which holds it (about 1 us cheaper, and they are counted on the event loop
+#: anyway: see ``PromptCounter.offload_threshold_chars``).
+GIL_FREE_CHARS = 2000
 _NO_LENGTH_LIMIT = 1 << 62
 
 
@@ -48,6 +53,11 @@ class ModelTokenizer:
     """
 
     def __init__(self, hf_tokenizer: Any, *, path: Path, harmony: bool = False) -> None:
+        # One text per call: rayon's pool cannot split it, and would only add a thread hop to
+        # each long count and idle threads that spin on the CPUs the event loop needs. Without
+        # it the Rust tokenizer runs on the calling worker thread (GIL released all the same).
+        # An operator's own TOKENIZERS_PARALLELISM is kept.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.path = path
         #: the model renders chat with Harmony, not its HF chat template (gpt-oss)
         self.harmony = harmony
@@ -94,11 +104,22 @@ class ModelTokenizer:
             self._pool.put(tok)
 
     def encode_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """The token ids of ``text``, untruncated, as vLLM's tokenizer call makes them."""
+        """The token ids of ``text``, untruncated, as vLLM's tokenizer call makes them.
+
+        A text longer than :data:`GIL_FREE_CHARS` is tokenized with the GIL released, so that
+        the event loop keeps running while a worker thread counts it (docs/counting-load.md).
+        """
         with self._borrow() as tok:
             # the Rust tokenizer itself: what transformers' __call__ runs for a fast tokenizer,
             # without its per-call Python (measured at ~40% of a short prompt's count)
-            encoding = tok.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            backend = tok.backend_tokenizer
+            if len(text) > GIL_FREE_CHARS:
+                # encode() holds the GIL for the whole tokenization (a 128k-token prompt: every
+                # thread, the event loop included, stopped for 150-700 ms); encode_batch() lets
+                # it go while Rust works. Same ids: both run the same encode per input.
+                encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            else:
+                encoding = backend.encode(text, add_special_tokens=add_special_tokens)
         ids: list[int] = encoding.ids
         return ids
 

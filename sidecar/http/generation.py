@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.learner import request_class
 from sidecar.counting import GenerationRequest, counting_view, parse_generation
-from sidecar.errors import BadRequest, UpstreamError
+from sidecar.errors import BadRequest, CountingBusy, UpstreamError
 from sidecar.http import refusals
 from sidecar.http.headers import forward_headers
 from sidecar.http.relay import Relay, read_body, respond, watch_disconnect
@@ -164,6 +164,13 @@ class GenerationPath:
                     default_max_tokens=engine.config.default_max_tokens,
                     max_tokens_cap=engine.config.max_tokens_cap,
                 )
+            except CountingBusy as exc:  # too many long prompts being counted: shed
+                record.count_end = time.perf_counter()
+                self.metrics.refused(Reason.COUNTING_BUSY, exc.retry_after_s)
+                _refused(record, Reason.COUNTING_BUSY)
+                shed = refusals.refusal(Reason.COUNTING_BUSY, exc.message, exc.retry_after_s)
+                await _respond(send, record, shed)
+                return
             except BadRequest as exc:
                 if record.count_end is None:
                     record.count_end = time.perf_counter()
