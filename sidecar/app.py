@@ -12,17 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import http.cookiejar
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import httpx
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from sidecar.admission import lengths_file
@@ -33,12 +32,16 @@ from sidecar.engine.discovery import discover
 from sidecar.engine.scraper import Scraper
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.errors import ConfigError
+from sidecar.http.clients import OWN_CONNECTIONS, make_client, make_transport, upstream_timeout
 from sidecar.http.generation import GenerationPath
 from sidecar.http.ops import Readiness, build_ops_app, finite
 from sidecar.http.proxy import Proxy
 from sidecar.http.relay import Relay
 from sidecar.http.seams import Engine, Traffic
-from sidecar.http.transport import UpstreamTransport
+from sidecar.http.serving import Server as _Server
+from sidecar.http.serving import uvicorn_config as _uvicorn_config
+from sidecar.http.workers.owner import AdmissionOwner, WorkersCollector
+from sidecar.http.workers.supervisor import Supervisor, listen_socket, worker_count
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.observability import logs
@@ -51,64 +54,6 @@ log = logging.getLogger("sidecar")
 #: seconds between writes of --lengths-file (and one at shutdown)
 LENGTHS_SAVE_INTERVAL = 30.0
 
-OWN_CONNECTIONS = 64  # the sidecar's own calls: scrapes, /health, discovery, /tokenize
-
-
-def make_transport(settings: Settings, max_connections: int | None = None) -> UpstreamTransport:
-    # keepalive_expiry shorter than uvicorn's 5 s keep-alive (vLLM's server): a pooled
-    # connection the server is closing would fail the next request with "disconnected"
-    return UpstreamTransport(
-        max_connections=max_connections or settings.upstream_max_connections,
-        keepalive_expiry=2.0,
-    )
-
-
-def upstream_timeout(settings: Settings) -> httpx.Timeout:
-    return httpx.Timeout(
-        connect=settings.upstream_connect_timeout,
-        read=settings.upstream_read_timeout,
-        write=settings.upstream_read_timeout,
-        pool=settings.upstream_connect_timeout,
-    )
-
-
-def make_client(
-    settings: Settings,
-    *,
-    transport: UpstreamTransport | None = None,
-    headers: dict[str, str] | None = None,
-) -> httpx.AsyncClient:
-    """A pooled client to vLLM with no default headers but ``headers``.
-
-    The proxy sends on its transport directly (each client's own headers, nothing added); the
-    sidecar's own calls (scrapes, /health, discovery, /tokenize) use a small client of their own,
-    carrying vLLM's --api-key when set, so that they never wait behind a burst of clients in the
-    proxy's pool.
-    """
-    client = httpx.AsyncClient(
-        timeout=upstream_timeout(settings),
-        transport=transport or make_transport(settings),
-        follow_redirects=False,
-        trust_env=False,
-    )
-    for name in list(client.headers.keys()):
-        del client.headers[name]
-    client.headers.update(headers or {})
-    # The client is shared by every caller: a Set-Cookie in one caller's answer must never be
-    # sent with another's request. Cookies pass through untouched, as headers.
-    client.cookies = _NoCookieJar()
-    return client
-
-
-class _NoCookieJar(http.cookiejar.CookieJar):
-    """A jar that keeps nothing and skips parsing: the proxy relays cookies, never stores them."""
-
-    def extract_cookies(self, response: Any, request: Any) -> None:
-        return None
-
-    def set_cookie(self, cookie: http.cookiejar.Cookie) -> None:
-        return None
-
 
 class Sidecar:
     """The process's long-lived parts, built and wired once; the engine swapped in when found."""
@@ -119,6 +64,7 @@ class Sidecar:
         *,
         registry: CollectorRegistry | None = None,
         tracing: Tracing | None = None,
+        process_children: Callable[[], Iterable[int]] | None = None,
     ) -> None:
         self.settings = settings
         self.tracing = tracing  # None: no spans (the OTEL_* environment asked for none)
@@ -151,6 +97,8 @@ class Sidecar:
         self.engine: Engine | None = None  # swapped whole by discovery, never edited in place
         self.traffic = Traffic()
         self.vllm_healthy = False
+        #: with relay workers: whether they can serve (the owner's AdmissionOwner.ready)
+        self.relays_ready: Callable[[], bool] = lambda: True
         self.metrics = Metrics(
             self.registry,
             self.admission,
@@ -164,6 +112,7 @@ class Sidecar:
                 "headroom": str(settings.headroom),
                 "stale_policy": settings.stale_policy.value,
             },
+            process_children=process_children,
         )
         relay = Relay(self.transport, settings.upstream, upstream_timeout(settings))
         self.proxy = Proxy(
@@ -219,6 +168,7 @@ class Sidecar:
             # lagging under a burst) must not take the pod out of service; stale data does
             and self.scraper.latest is not None
             and self.scraper.age() <= self.settings.metrics_stale_after
+            and self.relays_ready()
         )
 
     def readiness(self) -> Readiness:
@@ -392,6 +342,8 @@ class Sidecar:
             observer=self.metrics,
             # full prompt blocks are hashed for the ledger to count shared prefixes once
             block_size=config.block_size if config.prefix_caching is not False else None,
+            max_concurrent_counts=settings.max_concurrent_counts,
+            max_count_wait_s=settings.max_count_wait,
         )
         # Not ready until the tokenizer has loaded (or failed to): the load holds the GIL in long
         # stretches, and requests admitted meanwhile would stall seconds behind it.
@@ -423,32 +375,10 @@ class Sidecar:
 # --- serving ------------------------------------------------------------------------------------
 
 
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signals to us (two servers share one loop and one drain)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-def _uvicorn_config(app: Any, settings: Settings, port: int) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        host=settings.host,
-        port=port,
-        lifespan="off",
-        access_log=False,  # the proxy writes its own (sidecar.access, --access-log)
-        log_config=None,  # run() has set up logging: uvicorn's lines go through it too
-        server_header=False,  # the upstream's own Server and Date headers pass through
-        date_header=False,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=2,
-        timeout_keep_alive=30,
-        backlog=4096,
-    )
-
-
 async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
+    workers = worker_count(settings.workers)
+    if workers > 1:
+        return await serve_with_workers(settings, workers)
     sidecar = Sidecar(settings, tracing=tracing_from_env(os.environ))
     await sidecar.start()
     proxy = _Server(_uvicorn_config(sidecar.proxy, settings, settings.port))
@@ -494,6 +424,90 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
             loop.remove_signal_handler(sig)
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed or not (proxy.started and ops.started):
+        log.error("server failed: %s", failed[0] if failed else "could not bind its ports")
+        return 1
+    return 0
+
+
+async def serve_with_workers(settings: Settings, workers: int) -> int:
+    """The admission owner: the scraper, admission and the metrics port here, the proxy port
+    served by ``workers`` relay worker processes (docs/relay-workers.md)."""
+    try:
+        listener = listen_socket(settings.host, settings.port)
+    except OSError as exc:
+        log.error("server failed: could not bind the proxy port %d: %s", settings.port, exc)
+        return 1
+    private = tempfile.mkdtemp(prefix="kv-sidecar-")  # mode 0700: this user only
+    path = os.path.join(private, "owner.sock")
+    supervisor = Supervisor(workers, socket_path=path, listen_fd=listener.fileno())
+    sidecar = Sidecar(
+        settings, tracing=tracing_from_env(os.environ), process_children=supervisor.pids
+    )
+    owner = AdmissionOwner(
+        sidecar.admission,
+        sidecar.metrics,
+        settings=settings,
+        workers=workers,
+        engine=lambda: sidecar.engine.config if sidecar.engine is not None else None,
+        traffic=sidecar.traffic,
+        on_lost=supervisor.kill,
+    )
+    sidecar.relays_ready = owner.ready
+    sidecar.registry.register(WorkersCollector(owner))
+    await sidecar.start()
+    await owner.start(path)
+    supervisor.start()
+    log.info("serving the proxy port with %d relay workers", workers)
+    ops = _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port))
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    signals_seen: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        signals_seen.append(sig)
+        if len(signals_seen) > 1:  # a second signal: stop now
+            log.warning("second signal: exiting without waiting")
+            supervisor.kill_all()
+            ops.force_exit = ops.should_exit = True
+        stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    async def lifecycle() -> None:
+        await stopping.wait()
+        log.info(
+            "signal %s: not ready, refusing new requests, draining",
+            signal.Signals(signals_seen[0]).name,
+        )
+        sidecar.traffic.draining = True
+        owner.sync()  # every worker refuses new generation requests from now
+        await sidecar.drain(settings.drain_timeout)
+        await supervisor.stop()
+        ops.should_exit = True
+
+    watcher = asyncio.ensure_future(lifecycle())
+    try:
+        result = await asyncio.gather(ops.serve(), return_exceptions=True)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        try:
+            async with asyncio.timeout(15):  # exiting must not hang on a stuck worker or upstream
+                await supervisor.stop(grace_seconds=5.0 if len(signals_seen) < 2 else 0.0)
+                await owner.stop()
+                await sidecar.stop()
+        except TimeoutError:
+            log.warning("shutdown timed out")
+        listener.close()
+        shutil.rmtree(private, ignore_errors=True)
+        if sidecar.tracing is not None:
+            sidecar.tracing.shutdown()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    failed = [r for r in result if isinstance(r, BaseException)]
+    if failed or not ops.started:
         log.error("server failed: %s", failed[0] if failed else "could not bind its ports")
         return 1
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -104,6 +104,12 @@ class Settings(BaseSettings):
     """Seconds a request may wait in the queue before it gets 429 queue_timeout."""
     max_queue_depth: int = Field(default=256, ge=0)
     """Requests the queue holds; beyond it new ones get 429 queue_full."""
+    max_concurrent_counts: int | None = Field(default=None, gt=0)
+    """Long prompts (over 2,000 characters) tokenized at once, each on a worker thread (default:
+    the CPUs the sidecar may use, less one left to the event loop; from 1 to 4)."""
+    max_count_wait: float = Field(default=10.0, ge=0)
+    """Seconds a long prompt may wait for a counting slot; one expected to wait longer is refused
+    at once with 429 counting_busy and a Retry-After (docs/counting-load.md)."""
     headroom: float = Field(default=0.05, ge=0, lt=1)
     """Share of KV blocks never promised to requests."""
     reservation: ReservationMode = ReservationMode.worst_case
@@ -140,6 +146,11 @@ class Settings(BaseSettings):
     """vLLM's --api-key, for the sidecar's own calls (discovery, /tokenize); never lent out."""
     drain_timeout: float = Field(default=30.0, ge=0)
     """Seconds in-flight requests get to finish after SIGTERM."""
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
+    """Relay worker processes serving the proxy port: 1 (one process, as always), N, or auto (the
+    CPUs the container may use: its cgroup CPU quota rounded up, else its CPU affinity). With
+    more than one, this process keeps admission, the scraper and the metrics port, and the
+    workers ask it before they forward a generation request (docs/relay-workers.md)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level."""
     log_format: LogFormat = LogFormat.text

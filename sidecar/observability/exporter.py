@@ -29,6 +29,7 @@ from sidecar.counting import SELF_CHECKED_SHAPES, PromptShape, TokenCount
 from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.projection import Projection
 from sidecar.observability.cpu import CpuLimitCollector
+from sidecar.observability.process_tree import ProcessTreeCollector
 
 PREFIX = "kv_sidecar"
 COUNT_METHODS = ("exact_local", "exact_upstream", "estimate")
@@ -68,6 +69,7 @@ class Metrics:
         scrape_errors: Callable[[], int],
         config_labels: dict[str, str],
         clock: Callable[[], float] = time.monotonic,
+        process_children: Callable[[], Iterable[int]] | None = None,
     ) -> None:
         self.registry = registry
         self.event_loop_tasks = Gauge(
@@ -178,8 +180,12 @@ class Metrics:
             Sources(engine, vllm_up, ready, scrape_errors, config_labels, clock),
         )
         registry.register(self.collector)
-        # the sidecar's own CPU (process_cpu_seconds_total, ...) and the CPU it may use
-        ProcessCollector(registry=registry)
+        # the sidecar's own CPU (process_cpu_seconds_total, ...) and the CPU it may use; with
+        # relay workers (``process_children``), summed over the owner and the workers
+        if process_children is None:
+            ProcessCollector(registry=registry)
+        else:
+            registry.register(ProcessTreeCollector(process_children))
         registry.register(CpuLimitCollector())
 
     def decided(self, decision: Decision) -> None:

@@ -1,0 +1,376 @@
+"""The worker's end: the proxy's seams (gate, metrics sink, engine, traffic) served by the owner.
+
+:class:`OwnerLink` is a relay worker's connection to the admission owner. Its :class:`RemoteGate`
+decides nothing itself: every generation request is an ``ADMIT`` that the owner's one controller
+answers (so ``try_admit`` returns None, and the request path awaits :meth:`RemoteGate.wait`);
+``started``, ``progressed`` and ``release`` are fire-and-forget, and ``progressed`` leaves only
+when the request's block count may have changed. :class:`RemoteMetrics` forwards the request
+path's metric events in batches, so that the owner's ``/metrics`` stays one exposition. The
+engine (its config, and the prompt counter built from it in the worker) and the traffic state
+(``draining``) follow the owner's messages; ``passthrough_in_flight`` is reported back for the
+drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sidecar.admission.decisions import Decision, Outcome, Reason
+from sidecar.admission.retry import MIN_RETRY_AFTER
+from sidecar.config import Settings
+from sidecar.counting import CountingObserver, PromptShape, TokenCount
+from sidecar.engine.discovery import EngineConfig
+from sidecar.http.seams import Engine, Gate, MetricsSink, Traffic
+from sidecar.http.workers import wire
+from sidecar.kv.ledger import Reservation
+from sidecar.kv.prefix import BlockHashes
+from sidecar.kv.projection import Projection
+
+log = logging.getLogger("sidecar.worker")
+
+#: seconds between reports of metric events and pass-through counts to the owner
+REPORT_INTERVAL = 0.05
+#: seconds a client is told to wait when its worker has lost the owner (the worker is exiting)
+OWNER_GONE_RETRY_AFTER = 2.0
+
+
+class OwnerLink:
+    """A relay worker's connection to the admission owner, and the state the owner sends."""
+
+    def __init__(self, channel: wire.Channel, *, index: int) -> None:
+        self.channel = channel
+        self.index = index
+        self.engine: Engine | None = None  # swapped whole, as in the owner
+        self.traffic = Traffic()
+        self.lost = asyncio.Event()
+        self.gate = RemoteGate(self)
+        self.metrics = RemoteMetrics(self)
+        #: called with each engine config the owner sends (the worker builds its counter)
+        self.on_config: Callable[[EngineConfig | None], None] = lambda config: None
+        self._asks: dict[int, tuple[asyncio.Future[Decision], Projection, bool, str]] = {}
+        self._orphans: set[int] = set()  # asks whose waiter left: a grant is released at once
+        self._next_ask = 0
+        self._reported_passthrough = 0
+        self._early: list[wire.Message] = []
+
+    async def handshake(self) -> tuple[Settings, int]:
+        """Say who we are; the owner answers with the settings and the number of workers."""
+        self.channel.send(wire.HELLO, self.index, os.getpid())
+        await self.channel.drain()
+        while True:
+            messages = await self.channel.receive()
+            for i, message in enumerate(messages):
+                if message[0] == wire.SETTINGS:
+                    self._early = messages[i + 1 :]  # for run(), once the worker is built
+                    return message[1], message[2]
+
+    async def run(self) -> None:
+        """Read the owner's messages until it goes away; then fail what still waits."""
+        reporter = asyncio.ensure_future(self._report_forever())
+        try:
+            self.dispatch_early()
+            while True:
+                for message in await self.channel.receive():
+                    self._dispatch(message)
+        except wire.ChannelClosed as exc:
+            log.error("lost the admission owner (%s): exiting", exc)
+        except Exception:
+            log.exception("a message from the admission owner failed: exiting")
+        finally:
+            reporter.cancel()
+            self.lost.set()
+            for future, *_ in self._asks.values():
+                if not future.done():
+                    future.set_result(_owner_gone())
+            self._asks.clear()
+
+    def dispatch_early(self) -> None:
+        """Apply what came with the settings (the engine config, a drain), once the worker has
+        set :attr:`on_config`."""
+        early, self._early = self._early, []
+        for message in early:
+            self._dispatch(message)
+
+    def ready(self) -> None:
+        self.channel.send(wire.READY)
+
+    # --- from the owner -------------------------------------------------------------------------
+
+    def _dispatch(self, message: wire.Message) -> None:
+        tag = message[0]
+        if tag == wire.DECISION:
+            self._decided(*message[1:])
+        elif tag == wire.CONFIG:
+            self.on_config(message[1])
+        elif tag == wire.DRAINING:
+            self.traffic.draining = bool(message[1])
+        else:
+            log.warning("unknown message from the owner: %r", tag)
+
+    def _decided(
+        self,
+        ask: int,
+        outcome: Outcome,
+        reason: Reason,
+        retry_after: float | None,
+        message: str,
+        waited: float,
+        grant: tuple[int, int, str, tuple[str, ...]] | None,
+    ) -> None:
+        entry = self._asks.pop(ask, None)
+        if entry is None or ask in self._orphans:
+            self._orphans.discard(ask)
+            if grant is not None:  # admitted for a waiter that has gone: hand it back
+                self.channel.send(wire.RELEASE, grant[0], None)
+            return
+        future, projection, streamed, klass = entry
+        reservation = None
+        if grant is not None:
+            res, reserved_blocks, engine, shadows = grant
+            reservation = _local_reservation(
+                res, projection, streamed, klass, reserved_blocks, engine, shadows
+            )
+        if future.done():  # its waiter was cancelled in this very tick
+            if reservation is not None:
+                self.channel.send(wire.RELEASE, reservation.id, None)
+            return
+        future.set_result(
+            Decision(
+                outcome,
+                reason,
+                reservation=reservation,
+                retry_after=retry_after,
+                message=message,
+                waited_seconds=waited,
+            )
+        )
+
+    # --- to the owner ---------------------------------------------------------------------------
+
+    def ask(
+        self,
+        projection: Projection,
+        streamed: bool,
+        klass: str,
+        prefix: tuple[BlockHashes, ...] | None,
+        pin: str | None,
+        pinnable: bool,
+        key: int | None,
+    ) -> tuple[int, asyncio.Future[Decision]]:
+        self._next_ask += 1
+        ask = self._next_ask
+        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        if self.lost.is_set():
+            future.set_result(_owner_gone())
+            return ask, future
+        self._asks[ask] = (future, projection, streamed, klass)
+        self.channel.send(wire.ADMIT, ask, projection, streamed, klass, prefix, pin, pinnable, key)
+        return ask, future
+
+    def cancel(self, ask: int, *, orphan: bool = False) -> None:
+        """The waiter left; with ``orphan`` it will not read the answer (a grant is handed back)."""
+        if ask in self._asks:
+            if orphan:
+                self._orphans.add(ask)
+            self.channel.send(wire.CANCEL, ask)
+
+    async def _report_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_INTERVAL)
+            self.report()
+
+    def report(self) -> None:
+        """Metric events since the last report, and the pass-through count when it changed."""
+        events = self.metrics.take()
+        passthrough = self.traffic.passthrough_in_flight
+        if events or passthrough != self._reported_passthrough:
+            self._reported_passthrough = passthrough
+            self.channel.send(wire.REPORT, events, passthrough)
+
+
+def _owner_gone() -> Decision:
+    return Decision(
+        Outcome.REJECT,
+        Reason.NOT_READY,
+        retry_after=OWNER_GONE_RETRY_AFTER,
+        message="the sidecar is restarting; retry shortly",
+    )
+
+
+def _local_reservation(
+    res: int,
+    projection: Projection,
+    streamed: bool,
+    klass: str,
+    reserved_blocks: int,
+    engine: str,
+    shadows: tuple[str, ...],
+) -> Reservation:
+    """The worker's copy of the owner's reservation: what the request path reads and reports
+    (its id is the owner's number for it; ``predicted_blocks`` is the block count last sent)."""
+    local = Reservation(
+        id=res,
+        projection=projection,
+        ends=projection.max_tokens,
+        reserved_blocks=reserved_blocks,
+        predicted_blocks=0,
+        streamed=streamed,
+        admitted_at=time.monotonic(),
+        klass=klass,
+        engine=engine,
+    )
+    local.shadows = [dataclasses.replace(local, engine=other, shadows=[]) for other in shadows]
+    return local
+
+
+class RemoteGate:
+    """The :class:`~sidecar.http.seams.Gate` of a relay worker: the owner decides."""
+
+    def __init__(self, link: OwnerLink) -> None:
+        self.link = link
+
+    def try_admit(
+        self,
+        projection: Projection,
+        *,
+        streamed: bool,
+        klass: str = "",
+        prefix: tuple[BlockHashes, ...] | None = None,
+        pin: str | None = None,
+        pinnable: bool = True,
+        key: int | None = None,
+    ) -> Decision | None:
+        """Only a drain is known here; everything else is the owner's to decide (:meth:`wait`)."""
+        if self.link.traffic.draining:
+            return Decision(
+                Outcome.REJECT,
+                Reason.DRAINING,
+                retry_after=MIN_RETRY_AFTER,
+                message="the sidecar is shutting down; retry on another replica",
+            )
+        return None
+
+    async def wait(
+        self,
+        projection: Projection,
+        *,
+        streamed: bool,
+        cancelled: asyncio.Event | None = None,
+        klass: str = "",
+        prefix: tuple[BlockHashes, ...] | None = None,
+        pin: str | None = None,
+        pinnable: bool = True,
+        key: int | None = None,
+    ) -> Decision:
+        """Ask the owner and await its decision; a client that leaves cancels the ask (the
+        owner's answer still comes, and a grant that crossed the cancel is released by the
+        caller as with any admission)."""
+        ask, future = self.link.ask(projection, streamed, klass, prefix, pin, pinnable, key)
+        watch: asyncio.Future[Any] | None = (
+            asyncio.ensure_future(cancelled.wait()) if cancelled is not None else None
+        )
+        try:
+            if watch is not None:
+                waitables: set[asyncio.Future[Any]] = {future, watch}
+                await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
+                if not future.done():
+                    self.link.cancel(ask)
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                granted = future.result().reservation  # decided as the waiter was cancelled
+                if granted is not None:
+                    self.release(granted)
+            else:
+                self.link.cancel(ask, orphan=True)
+                future.cancel()
+            raise
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    def started(self, reservation: Reservation) -> None:
+        if reservation.started or reservation.released:
+            return
+        reservation.started = True
+        self.link.channel.send(wire.STARTED, reservation.id)
+
+    def progressed(self, reservation: Reservation, generated_per_sequence: float) -> None:
+        """Sent only when the request's block count may change (the owner's ledger counts
+        blocks): a block of 16 tokens is one message, not sixteen."""
+        if reservation.released or generated_per_sequence <= reservation.generated:
+            return
+        reservation.generated = generated_per_sequence
+        engine = self.link.engine
+        held = (
+            reservation.projection.blocks_at(int(generated_per_sequence), engine.config.blocks)
+            if engine is not None
+            else int(generated_per_sequence)
+        )
+        if held != reservation.predicted_blocks:
+            reservation.predicted_blocks = held
+            self.link.channel.send(wire.PROGRESSED, reservation.id, generated_per_sequence)
+
+    def release(self, reservation: Reservation) -> None:
+        if reservation.released:
+            return
+        reservation.released = True
+        self.link.channel.send(wire.RELEASE, reservation.id, reservation.completion_tokens)
+
+
+class RemoteMetrics:
+    """The :class:`~sidecar.http.seams.MetricsSink` of a relay worker: events batched to the
+    owner, who records them on the pod's one registry. The queue wait is recorded by the owner,
+    where the queue is (every request here "waits" for the owner's answer)."""
+
+    def __init__(self, link: OwnerLink) -> None:
+        self.link = link
+        self._events: list[tuple[Any, ...]] = []
+
+    def take(self) -> list[tuple[Any, ...]]:
+        events, self._events = self._events, []
+        return events
+
+    def counted(self, count: TokenCount) -> None:
+        # the block hashes are the ledger's business, sent with ADMIT; not the exporter's
+        self._events.append(("counted", dataclasses.replace(count, prefix=None)))
+
+    def projected(self, projection: Projection, bytes_per_block: int | None) -> None:
+        self._events.append(("projected", projection, bytes_per_block))
+
+    def decision_time(self, seconds: float) -> None:
+        self._events.append(("decision_time", seconds))
+
+    def queue_waited(self, seconds: float) -> None:
+        return None
+
+    def answered(self, seconds: float) -> None:
+        self._events.append(("answered", seconds))
+
+    def decided(self, decision: Decision) -> None:
+        self._events.append(("decided", decision.outcome, decision.reason, decision.retry_after))
+
+    def refused(self, reason: Reason, retry_after: float | None = None) -> None:
+        self._events.append(("refused", reason, retry_after))
+
+    def upstream_failed(self, kind: str) -> None:
+        self._events.append(("upstream_failed", kind))
+
+    def completed(self, completion_tokens: int) -> None:
+        self._events.append(("completed", completion_tokens))
+
+    def self_checked(self, shape: PromptShape, matched: bool) -> None:
+        """The prompt counter's observer (its checks against vLLM's /tokenize)."""
+        self._events.append(("self_checked", shape, matched))
+
+
+# checked by mypy: the stand-ins are what the request path and the counter expect
+_GATE: type[Gate] = RemoteGate
+_SINK: type[MetricsSink] = RemoteMetrics
+_OBSERVER: type[CountingObserver] = RemoteMetrics
