@@ -161,7 +161,8 @@ ALERTS: tuple[Alert, ...] = (
         summary="The sidecar refuses many requests with 429: KV capacity is short of demand.",
         description=(
             f"{_WHERE}: {{{{ $value | humanizePercentage }}}} of generation requests were "
-            "refused with 429 (kv_cache_full, queue_full, queue_timeout) for 10 minutes."
+            "refused with 429 (kv_cache_full, queue_full, queue_timeout, counting_busy) for 10 "
+            "minutes."
         ),
     ),
     Alert(

@@ -150,7 +150,8 @@ def _verdict_row() -> list[PanelBuilder]:
         stat_panel(
             "429 share",
             "Share of generation requests refused with 429 (kv_cache_full, queue_full, "
-            "queue_timeout): the price paid for no preemption. High and sustained: add replicas.",
+            "queue_timeout, counting_busy): the price paid for no preemption. High and sustained: "
+            "add replicas.",
             "percentunit",
             [Query(SHARE_429, "429 share")],
             [Step(None, "green"), Step(0.05, "orange"), Step(0.1, "red")],

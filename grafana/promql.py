@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 #: The refusals that answer 429 with Retry-After: the client should come back (docs/metrics.md).
-REFUSED_429_REASONS: tuple[str, ...] = ("kv_cache_full", "queue_full", "queue_timeout")
+REFUSED_429_REASONS: tuple[str, ...] = (
+    "kv_cache_full",
+    "queue_full",
+    "queue_timeout",
+    "counting_busy",
+)
 
 #: ``reason`` matcher selecting the 429 refusals of ``kv_sidecar_requests_total``.
 REFUSED_429_MATCHERS: tuple[str, ...] = (

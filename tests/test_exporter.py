@@ -9,6 +9,7 @@ import math
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -18,6 +19,7 @@ from sidecar.admission.controller import AdmissionController
 from sidecar.cgroup import cgroup_quota_cores, cpu_limit_cores, parse_cpu_max
 from sidecar.config import ReservationMode
 from sidecar.engine.discovery import EngineConfig
+from sidecar.http.workers.owner import WorkersCollector
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import project_counts
@@ -129,6 +131,9 @@ def test_state_gauges_follow_the_ledger_and_the_engine() -> None:
 
 def test_every_documented_metric_is_exported_and_nothing_else() -> None:
     registry, metrics, ac, clock = build()
+    # what the main process adds with relay workers (--workers 2)
+    owner = SimpleNamespace(links=[1, 2], workers=2, requests_by_worker=[3, 4], lost_total=0)
+    registry.register(WorkersCollector(owner))  # type: ignore[arg-type]
     lora = ((("max_lora", "2"), ("running_lora_adapters", "a"), ("waiting_lora_adapters", "")), 5.0)
     ac.on_snapshot(dataclasses.replace(snapshot(clock, used=5, running=1), lora_info=lora))
     metrics.on_snapshot()
