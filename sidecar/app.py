@@ -26,19 +26,17 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.admission import lengths_file
 from sidecar.admission.controller import AdmissionController
-from sidecar.config import AccessLog, Settings
+from sidecar.config import Settings
 from sidecar.counting import PromptCounter
 from sidecar.engine.discovery import discover
 from sidecar.engine.scraper import Scraper
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.errors import ConfigError
-from sidecar.http.clients import OWN_CONNECTIONS, make_client, make_transport, upstream_timeout
-from sidecar.http.generation import GenerationPath
+from sidecar.http.clients import OWN_CONNECTIONS, make_client, make_transport
 from sidecar.http.ops import Readiness, build_ops_app, finite
-from sidecar.http.proxy import Proxy
-from sidecar.http.relay import Relay
 from sidecar.http.seams import Engine, Traffic
 from sidecar.http.serving import Server as _Server
+from sidecar.http.serving import build_proxy
 from sidecar.http.serving import uvicorn_config as _uvicorn_config
 from sidecar.http.workers.owner import AdmissionOwner, WorkersCollector
 from sidecar.http.workers.supervisor import Supervisor, listen_socket, worker_count
@@ -114,23 +112,14 @@ class Sidecar:
             },
             process_children=process_children,
         )
-        relay = Relay(self.transport, settings.upstream, upstream_timeout(settings))
-        self.proxy = Proxy(
-            relay=relay,
-            generation=GenerationPath(
-                gate=self.admission,
-                engine=lambda: self.engine,
-                metrics=self.metrics,
-                relay=relay,
-                max_body_bytes=settings.max_body_bytes,
-                access_log=settings.access_log is not AccessLog.off,
-                tracing=tracing,
-            ),
-            traffic=self.traffic,
+        self.proxy = build_proxy(
+            settings,
+            transport=self.transport,
+            gate=self.admission,
+            engine=lambda: self.engine,
             metrics=self.metrics,
-            max_headers=settings.max_headers,
-            max_header_bytes=settings.max_header_bytes,
-            access_log=settings.access_log is AccessLog.all,
+            traffic=self.traffic,
+            tracing=tracing,
         )
         self.ops = build_ops_app(
             registry=self.registry,

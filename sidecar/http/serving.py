@@ -1,14 +1,54 @@
-"""The uvicorn servers of the two ports, configured once for the sidecar and its relay workers."""
+"""The proxy app and the uvicorn servers of the two ports, built once for the sidecar and its
+relay workers."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from sidecar.config import Settings
+from sidecar.config import AccessLog, Settings
+from sidecar.http.clients import upstream_timeout
+from sidecar.http.generation import GenerationPath
+from sidecar.http.proxy import Proxy
+from sidecar.http.relay import Relay
+from sidecar.http.seams import Engine, Gate, MetricsSink, Traffic, Upstream
+
+if TYPE_CHECKING:
+    from sidecar.observability.tracing import Tracing
+
+
+def build_proxy(
+    settings: Settings,
+    *,
+    transport: Upstream,
+    gate: Gate,
+    engine: Callable[[], Engine | None],
+    metrics: MetricsSink,
+    traffic: Traffic,
+    tracing: Tracing | None,
+) -> Proxy:
+    """The proxy port's app: pass-through and the generation path, on one relay to vLLM."""
+    relay = Relay(transport, settings.upstream, upstream_timeout(settings))
+    return Proxy(
+        relay=relay,
+        generation=GenerationPath(
+            gate=gate,
+            engine=engine,
+            metrics=metrics,
+            relay=relay,
+            max_body_bytes=settings.max_body_bytes,
+            access_log=settings.access_log is not AccessLog.off,
+            tracing=tracing,
+        ),
+        traffic=traffic,
+        metrics=metrics,
+        max_headers=settings.max_headers,
+        max_header_bytes=settings.max_header_bytes,
+        access_log=settings.access_log is AccessLog.all,
+    )
 
 
 class Server(uvicorn.Server):

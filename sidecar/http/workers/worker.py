@@ -25,16 +25,13 @@ from collections.abc import Sequence
 
 import httpx
 
-from sidecar.config import AccessLog, Settings
+from sidecar.config import Settings
 from sidecar.counting import PromptCounter
 from sidecar.counting.slots import default_slots
 from sidecar.engine.discovery import EngineConfig
-from sidecar.http.clients import make_client, make_transport, upstream_timeout
-from sidecar.http.generation import GenerationPath
-from sidecar.http.proxy import Proxy
-from sidecar.http.relay import Relay
+from sidecar.http.clients import make_client, make_transport
 from sidecar.http.seams import Engine
-from sidecar.http.serving import Server, uvicorn_config
+from sidecar.http.serving import Server, build_proxy, uvicorn_config
 from sidecar.http.workers import wire
 from sidecar.http.workers.remote import OwnerLink
 from sidecar.http.workers.supervisor import worker_count
@@ -158,23 +155,14 @@ async def serve_worker(socket_path: str, listen_fd: int, index: int) -> int:
     # Accept only once prompts can be counted: until then the other workers take the
     # connections (the socket is shared), rather than this one answering 503.
     await engines.first(FIRST_ENGINE_TIMEOUT)
-    relay = Relay(transport, settings.upstream, upstream_timeout(settings))
-    proxy = Proxy(
-        relay=relay,
-        generation=GenerationPath(
-            gate=link.gate,
-            engine=lambda: link.engine,
-            metrics=link.metrics,
-            relay=relay,
-            max_body_bytes=settings.max_body_bytes,
-            access_log=settings.access_log is not AccessLog.off,
-            tracing=tracing,
-        ),
-        traffic=link.traffic,
+    proxy = build_proxy(
+        settings,
+        transport=transport,
+        gate=link.gate,
+        engine=lambda: link.engine,
         metrics=link.metrics,
-        max_headers=settings.max_headers,
-        max_header_bytes=settings.max_header_bytes,
-        access_log=settings.access_log is AccessLog.all,
+        traffic=link.traffic,
+        tracing=tracing,
     )
     server = Server(uvicorn_config(proxy, settings, settings.port))
     loop = asyncio.get_running_loop()
