@@ -115,6 +115,18 @@ end
 """
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a sidecar's relay workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
 @dataclass
 class Target:
     """One path a request can take to the upstream, and the processes whose cost we measure."""
@@ -489,6 +501,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     remote = SidecarProcess(
         upstream.url, "--log-level", "warning", "--model-config", str(config_only)
     )
+    # --workers N: the same sidecar with N relay worker processes, measured over all of them
+    multi = (
+        SidecarProcess(upstream.url, "--log-level", "warning", "--workers", str(args.workers))
+        if args.workers > 1
+        else None
+    )
     nginx: Nginx | None = None
     relays: list[BenchProxy] = []
     base: BaselineSidecar | None = None
@@ -496,6 +514,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         local.start()
         remote.start()
+        if multi is not None:
+            multi.start()
         baseline: dict[str, Any] | None = None
         if args.baseline:
             tree, sha = trees.enter_context(worktree(args.baseline))
@@ -526,6 +546,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         via_own = Target(OWN_RELAY, own_relay.url, [own_relay.proc.pid])
         via_aiohttp = Target(AIOHTTP_RELAY, aiohttp_relay.url, [aiohttp_relay.proc.pid])
         via_ids = Target(IDS, local.url, [local.proc.pid], script=ids_script)
+        via_multi: list[Target] = []
+        if multi is not None:
+            assert multi.proc is not None
+            pids = [multi.proc.pid, *child_pids(multi.proc.pid)]
+            assert len(pids) == 1 + args.workers, pids
+            via_multi = [Target(f"sidecar, {args.workers} relay workers", multi.url, pids)]
         # the baseline revision's sidecar (--baseline), with and without counting
         olds: list[Target] = []
         if base is not None and baseline is not None:
@@ -537,6 +563,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         targets = [
             direct,
             via_local,
+            *via_multi,
             *olds[:1],
             via_ids,
             *olds[1:],
@@ -665,7 +692,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["load_average_after"] = [round(x, 2) for x in load_average()]
         return results
     finally:
-        for sc in (local, remote, base):
+        for sc in (local, remote, base, multi):
             if sc is not None:
                 sc.stop()
         trees.close()
@@ -1126,6 +1153,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sse-paced-concurrency", type=int, default=256)
     parser.add_argument("--sse-interval-ms", type=float, default=10.0)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="also measure a sidecar with this many relay worker processes (--workers N), its "
+        "CPU summed over the main process and the workers",
+    )
     parser.add_argument("--no-report", action="store_true", help="do not touch BENCHMARKS.md")
     parser.add_argument(
         "--baseline",
