@@ -364,6 +364,26 @@ class Sidecar:
 # --- serving ------------------------------------------------------------------------------------
 
 
+def _handle_signals(
+    loop: asyncio.AbstractEventLoop, stop_now: Callable[[], None]
+) -> tuple[asyncio.Event, list[int]]:
+    """SIGTERM and SIGINT set the returned event (a drain begins); a second one calls
+    ``stop_now`` (exit without waiting). The signals seen are listed, in order."""
+    stopping = asyncio.Event()
+    seen: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        seen.append(sig)
+        if len(seen) > 1:  # a second signal: stop now
+            log.warning("second signal: exiting without waiting")
+            stop_now()
+        stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return stopping, seen
+
+
 async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
     workers = worker_count(settings.workers)
     if workers > 1:
@@ -373,19 +393,12 @@ async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
     proxy = _Server(_uvicorn_config(sidecar.proxy, settings, settings.port))
     ops = _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port))
     loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    signals_seen: list[int] = []
 
-    def on_signal(sig: int) -> None:
-        signals_seen.append(sig)
-        if len(signals_seen) > 1:  # a second signal: stop now
-            log.warning("second signal: exiting without waiting")
-            proxy.force_exit = ops.force_exit = True
-            proxy.should_exit = ops.should_exit = True
-        stopping.set()
+    def stop_now() -> None:
+        proxy.force_exit = ops.force_exit = True
+        proxy.should_exit = ops.should_exit = True
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    stopping, signals_seen = _handle_signals(loop, stop_now)
 
     async def lifecycle() -> None:
         await stopping.wait()
@@ -449,19 +462,12 @@ async def serve_with_workers(settings: Settings, workers: int) -> int:
     log.info("serving the proxy port with %d relay workers", workers)
     ops = _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port))
     loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    signals_seen: list[int] = []
 
-    def on_signal(sig: int) -> None:
-        signals_seen.append(sig)
-        if len(signals_seen) > 1:  # a second signal: stop now
-            log.warning("second signal: exiting without waiting")
-            supervisor.kill_all()
-            ops.force_exit = ops.should_exit = True
-        stopping.set()
+    def stop_now() -> None:
+        supervisor.kill_all()
+        ops.force_exit = ops.should_exit = True
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    stopping, signals_seen = _handle_signals(loop, stop_now)
 
     async def lifecycle() -> None:
         await stopping.wait()
