@@ -13,13 +13,13 @@ admission (vLLM unreachable, a timeout, a broken answer) is counted in
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import httpx
 
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.learner import request_class
@@ -27,7 +27,7 @@ from sidecar.counting import GenerationRequest, counting_view, parse_generation
 from sidecar.errors import BadRequest, CountingBusy, UpstreamError
 from sidecar.http import refusals
 from sidecar.http.headers import forward_headers
-from sidecar.http.relay import Relay, read_body, respond, watch_disconnect
+from sidecar.http.relay import ClientWatch, Relay, read_body, respond
 from sidecar.http.seams import Engine, Gate, MetricsSink
 from sidecar.http.types import Receive, Scope, Send
 from sidecar.http.usage import UsageTracker
@@ -141,8 +141,8 @@ class GenerationPath:
             )
             return
 
-        disconnected = asyncio.Event()
-        watcher = watch_disconnect(receive, disconnected)
+        watch = ClientWatch(receive)
+        disconnected = watch.gone
         reservation: Reservation | None = None
         try:
             t0 = record.count_start = time.perf_counter()
@@ -242,12 +242,12 @@ class GenerationPath:
                 request,
                 projection,
                 reservation,
-                disconnected,
+                watch,
                 record,
                 trace,
             )
         finally:
-            watcher.cancel()
+            watch.close()
             if reservation is not None:
                 self.gate.release(reservation)
                 self.metrics.answered(time.perf_counter() - t0)
@@ -270,7 +270,7 @@ class GenerationPath:
         request: GenerationRequest,
         projection: Projection,
         reservation: Reservation,
-        disconnected: asyncio.Event,
+        watch: ClientWatch,
         record: RequestRecord,
         trace: RequestTrace | None,
     ) -> None:
@@ -290,26 +290,19 @@ class GenerationPath:
             # no sign of its prefill will come, and its answer's head only when vLLM has
             # finished: it runs from now, its progress estimated from vLLM's counters
             self.gate.started(reservation)
-        sending = asyncio.ensure_future(self.relay.send("POST", url, headers, raw))
-        gone = asyncio.ensure_future(disconnected.wait())
-        try:
-            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not sending.done():
-            sending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, UpstreamError):
-                await sending
-            return
-        try:
-            response = sending.result()
-        except UpstreamError as exc:
-            self.metrics.upstream_failed(exc.kind)
-            record.upstream_error = exc.kind
-            if trace is not None:
-                trace.upstream_answered(None, exc.kind)
-            await _respond(send, record, refusals.from_error(exc))
-            return
+        response: httpx.Response | None = None
+        with watch.guard():
+            try:
+                response = await self.relay.send("POST", url, headers, raw)
+            except UpstreamError as exc:
+                self.metrics.upstream_failed(exc.kind)
+                record.upstream_error = exc.kind
+                if trace is not None:
+                    trace.upstream_answered(None, exc.kind)
+                await _respond(send, record, refusals.from_error(exc))
+                return
+        if response is None:
+            return  # the client left before vLLM's answer began: the send was cancelled
         record.status = response.status_code
 
         gate = self.gate
@@ -327,7 +320,7 @@ class GenerationPath:
         try:
             if response.status_code >= 500:
                 self.metrics.upstream_failed("status_5xx")
-            completed = await self.relay.relay(response, send, disconnected, on_chunk)
+            completed = await self.relay.relay(response, send, watch, on_chunk)
         except UpstreamError as exc:
             self.metrics.upstream_failed(exc.kind)
             record.upstream_error = exc.kind

@@ -12,12 +12,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import httpx
+
 from sidecar.counting import GENERATION_PATHS
 from sidecar.errors import UpstreamError
 from sidecar.http import refusals
 from sidecar.http.generation import GenerationPath
 from sidecar.http.headers import forward_headers
-from sidecar.http.relay import Relay, respond, watch_disconnect
+from sidecar.http.relay import ClientWatch, Relay, respond
 from sidecar.http.seams import MetricsSink, Traffic
 from sidecar.http.types import Receive, Scope, Send
 from sidecar.observability.logs import clip, log_passthrough
@@ -111,15 +113,13 @@ class Proxy:
         self, scope: Scope, receive: Receive, send: Send, raw_path: bytes
     ) -> int:
         """Relay one request and its answer; the status the client got (499: none)."""
-        disconnected = asyncio.Event()
-        watcher: asyncio.Task[None] | None = None
+        watch = ClientWatch(receive, start=False)  # started once the body is read
 
         async def body() -> AsyncIterator[bytes]:
-            nonlocal watcher
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    disconnected.set()
+                    watch.gone.set()
                     # abort the upstream request: ending the body here would hand vLLM a
                     # truncated body that looks complete
                     raise _ClientGone
@@ -128,42 +128,44 @@ class Proxy:
                     yield chunk
                 if not message.get("more_body", False):
                     break
-            watcher = watch_disconnect(receive, disconnected)
+            watch.start()
 
         headers = forward_headers(scope["headers"], drop=_DROP_REQUEST_HEADERS)
         has_body = any(
             k.lower() in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"]
         )
         try:
-            try:
-                if has_body:
-                    content: bytes | AsyncIterator[bytes] = body()
-                else:
-                    content = b""
-                    watcher = watch_disconnect(receive, disconnected)
-                url = self.relay.url(raw_path, scope["query_string"])
-                response = await self.relay.send(scope["method"], url, headers, content)
-            except UpstreamError as exc:
-                if isinstance(exc.__cause__, _ClientGone) or disconnected.is_set():
+            response: httpx.Response | None = None
+            with watch.guard():
+                try:
+                    if has_body:
+                        content: bytes | AsyncIterator[bytes] = body()
+                    else:
+                        content = b""
+                        watch.start()
+                    url = self.relay.url(raw_path, scope["query_string"])
+                    response = await self.relay.send(scope["method"], url, headers, content)
+                except UpstreamError as exc:
+                    if isinstance(exc.__cause__, _ClientGone) or watch.gone.is_set():
+                        return 499
+                    self.metrics.upstream_failed(exc.kind)
+                    refusal = refusals.from_error(exc)
+                    await respond(send, refusal)
+                    return refusal[0]
+                except _ClientGone:
                     return 499
-                self.metrics.upstream_failed(exc.kind)
-                refusal = refusals.from_error(exc)
-                await respond(send, refusal)
-                return refusal[0]
-            except _ClientGone:
-                return 499
+            if response is None:
+                return 499  # the client left while vLLM had not answered
             try:
-                if watcher is None:
-                    watcher = watch_disconnect(receive, disconnected)
-                await self.relay.relay(response, send, disconnected)
+                watch.start()
+                await self.relay.relay(response, send, watch)
             except UpstreamError as exc:
                 self.metrics.upstream_failed(exc.kind)
             finally:
                 await response.aclose()
             return response.status_code
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            watch.close()
 
 
 def _log(scope: Scope, status: int, start: float) -> None:

@@ -4,14 +4,20 @@ The upstream response is "peeked" (status and headers read) before the client's 
 its body is relayed without buffering, and a client that goes away cancels the relay (closing
 the upstream response, so vLLM aborts the generation). The HTTP client's errors leave this
 module as ``sidecar.errors.UpstreamError`` only.
+
+A request runs in the server's task for it, plus one task that watches the client
+(:class:`ClientWatch`): the upstream call and the relay run in the request's own task, and a
+client that leaves cancels what that task awaits inside :meth:`ClientWatch.guard`. (It was five
+tasks: the upstream send and the relay each raced against a disconnect in tasks of their own.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -73,7 +79,7 @@ class Relay:
         self,
         response: httpx.Response,
         send: Send,
-        disconnected: asyncio.Event,
+        watch: ClientWatch,
         on_chunk: Callable[[bytes], None] | None = None,
     ) -> bool:
         """Relay status, headers and body; False when the client went away first.
@@ -81,25 +87,17 @@ class Relay:
         Raises :class:`~sidecar.errors.UpstreamError` when vLLM's answer broke off (the client's
         response is then already ended, with an SSE error event for a stream).
         """
+        if watch.gone.is_set():
+            return False
         headers = forward_headers(response.headers.raw)
-        await send(
-            {"type": "http.response.start", "status": response.status_code, "headers": headers}
-        )
         sse = response.headers.get("content-type", "").startswith("text/event-stream")
-        pump = asyncio.ensure_future(_pump_body(response, send, on_chunk, sse))
-        watch = asyncio.ensure_future(disconnected.wait())
-        try:
-            done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not pump.done():
-                pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await pump
-        if pump in done:
-            pump.result()  # re-raise upstream failures
+        with watch.guard():
+            await send(
+                {"type": "http.response.start", "status": response.status_code, "headers": headers}
+            )
+            await _pump_body(response, send, on_chunk, sse)
             return True
-        return False
+        return False  # the client left: the guard stopped the relay
 
 
 async def _pump_body(
@@ -161,14 +159,69 @@ async def read_body(receive: Receive, limit: int | None) -> bytes | None:
             return b"".join(chunks)
 
 
-def watch_disconnect(receive: Receive, disconnected: asyncio.Event) -> asyncio.Task[None]:
-    """A task that sets ``disconnected`` when the client goes away."""
+class ClientWatch:
+    """Watches one client for its disconnect, in one task of its own.
 
-    async def watch() -> None:
+    ``gone`` is set when the client goes away. Code that the request's own task runs inside
+    :meth:`guard` is cancelled then: the guard takes that cancellation back (``uncancel``, as
+    ``asyncio.timeout`` does) and the code after the ``with`` block runs, with ``gone`` set. A
+    cancellation from anyone else (the server cutting requests at the drain deadline) passes
+    through. The watch starts when the request's body has been read (:meth:`start`): until then
+    ``receive`` is the body's.
+    """
+
+    __slots__ = ("_cancelling", "_guarding", "_owner", "_receive", "_task", "gone")
+
+    def __init__(self, receive: Receive, *, start: bool = True) -> None:
+        self.gone = asyncio.Event()
+        self._receive = receive
+        self._owner: asyncio.Task[Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._guarding = False
+        self._cancelling = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._watch())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _watch(self) -> None:
         while True:
-            message = await receive()
+            message = await self._receive()
             if message["type"] == "http.disconnect":
-                disconnected.set()
-                return
+                break
+        self.gone.set()
+        owner = self._owner
+        if self._guarding and owner is not None and not self._cancelling:
+            # the request's task is suspended inside the guard (this task runs, so it does not):
+            # the cancellation lands at that await, inside the guard
+            self._cancelling = True
+            owner.cancel()
 
-    return asyncio.ensure_future(watch())
+    def guard(self) -> ClientWatch:
+        """``with watch.guard():`` -- cancel the block when the client leaves (not nestable)."""
+        return self
+
+    def __enter__(self) -> None:
+        assert not self._guarding, "ClientWatch.guard is not reentrant"
+        self._owner = asyncio.current_task()
+        self._guarding = True
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        self._guarding = False
+        if not self._cancelling:
+            return False
+        self._cancelling = False
+        assert self._owner is not None
+        # ours to take back; suppress it unless someone else cancelled the task as well
+        return self._owner.uncancel() == 0 and exc_type is asyncio.CancelledError
