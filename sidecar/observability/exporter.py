@@ -163,18 +163,26 @@ class Metrics:
             buckets=RELATIVE_ERROR_BUCKETS,
             registry=registry,
         )
-        # export zeros so that rate() and the dashboard work from the start
-        for method in COUNT_METHODS:
-            self.prompt_tokens.labels(method)
-            self.prompt_counts.labels(method)
-            self.tokenize_seconds.labels(method)
+        # export zeros so that rate() and the dashboard work from the start; the children are
+        # bound once here (``labels()`` takes a lock and checks its values on every call)
+        self._counted = {
+            method: (
+                self.prompt_tokens.labels(method),
+                self.prompt_counts.labels(method),
+                self.tokenize_seconds.labels(method),
+            )
+            for method in COUNT_METHODS
+        }
         for shape in SELF_CHECKED_SHAPES:
             for result in ("match", "mismatch"):
                 self.prompt_checks.labels(shape, result)
-        for decision, reason in DECISION_LABELS:
-            self.requests.labels(decision, reason)
-        for kind in UPSTREAM_ERRORS:
-            self.upstream_errors.labels(kind)
+        self._requests: dict[tuple[str, str], Counter] = {
+            (decision.value, reason.value): self.requests.labels(decision, reason)
+            for decision, reason in DECISION_LABELS
+        }
+        self._upstream_errors: dict[str, Counter] = {
+            kind: self.upstream_errors.labels(kind) for kind in UPSTREAM_ERRORS
+        }
         self.collector = StateCollector(
             admission,
             Sources(engine, vllm_up, ready, scrape_errors, config_labels, clock),
@@ -188,13 +196,19 @@ class Metrics:
             registry.register(ProcessTreeCollector(process_children))
         registry.register(CpuLimitCollector())
 
+    def _request(self, outcome: str, reason: str) -> Counter:
+        child = self._requests.get((outcome, reason))
+        if child is None:  # every pair is bound at start; a new one still counts
+            child = self._requests[(outcome, reason)] = self.requests.labels(outcome, reason)
+        return child
+
     def decided(self, decision: Decision) -> None:
-        self.requests.labels(decision.outcome.value, decision.reason).inc()
+        self._request(decision.outcome.value, decision.reason.value).inc()
         if decision.retry_after is not None:
             self.retry_after.observe(decision.retry_after)
 
     def refused(self, reason: Reason, retry_after: float | None = None) -> None:
-        self.requests.labels(Outcome.REJECT, reason).inc()
+        self._request(Outcome.REJECT.value, reason.value).inc()
         if retry_after is not None:
             self.retry_after.observe(retry_after)
 
@@ -210,7 +224,10 @@ class Metrics:
         self.request_duration.observe(seconds)
 
     def upstream_failed(self, kind: str) -> None:
-        self.upstream_errors.labels(kind).inc()
+        child = self._upstream_errors.get(kind)
+        if child is None:
+            child = self._upstream_errors[kind] = self.upstream_errors.labels(kind)
+        child.inc()
 
     def completed(self, completion_tokens: int) -> None:
         self.completion_tokens.inc(completion_tokens)
@@ -220,10 +237,10 @@ class Metrics:
         self.prompt_checks.labels(shape, "match" if matched else "mismatch").inc()
 
     def counted(self, count: TokenCount) -> None:
-        method = count.method.value
-        self.prompt_tokens.labels(method).inc(count.total)
-        self.prompt_counts.labels(method).inc()
-        self.tokenize_seconds.labels(method).observe(count.seconds)
+        tokens, counts, seconds = self._counted[count.method.value]
+        tokens.inc(count.total)
+        counts.inc()
+        seconds.observe(count.seconds)
 
     def projected(self, projection: Projection, bytes_per_block: int | None) -> None:
         for m in projection.max_tokens:
