@@ -474,14 +474,21 @@ def test_sigterm_drains_every_worker_and_exits_zero(
             bodies = [LONG | {"fake_len": 60, "prompt": f"hello there friend{k}"} for k in range(4)]
             running = asyncio.ensure_future(_many(sc.url, bodies))
             async with httpx.AsyncClient(timeout=5) as client:
+                deadline = time.monotonic() + 30
                 while True:  # all four admitted
                     state = (await client.get(sc.metrics_url + "/state")).json()
                     if state["in_flight"] == 4:
                         break
+                    assert not running.done(), f"the four ended before all were in flight: {state}"
+                    assert time.monotonic() < deadline, f"never four in flight: {state}"
                     await asyncio.sleep(0.02)
-            assert sc.proc is not None
-            sc.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)  # the owner tells the workers
+                assert sc.proc is not None
+                sc.proc.send_signal(signal.SIGTERM)
+                # the owner decides every admission, so once it drains every worker refuses
+                deadline = time.monotonic() + 10
+                while (await client.get(sc.metrics_url + "/readyz")).status_code != 503:
+                    assert time.monotonic() < deadline, "/readyz still 200 10 s after SIGTERM"
+                    await asyncio.sleep(0.02)
             late = await _many(sc.url, [LONG | {"prompt": f"late {k}"} for k in range(8)])
             return await running, late
 
