@@ -322,7 +322,7 @@ async def test_failure_and_recovery_in_the_loop(
     caplog.set_level(logging.INFO, logger="sidecar.engine.scraper")
     scraper = Scraper(client, server.url, interval=INTERVAL, timeout=0.2)
     async with running(scraper):
-        assert await scraper.wait_first(2.0)
+        await until(lambda: scraper.latest is not None, within=10)
         good = scraper.latest
         assert good is not None and scraper.up
 
@@ -405,20 +405,6 @@ async def test_listener_not_called_on_failure(
     assert scraper.errors_total == 3
 
 
-async def test_wait_first(server: MetricsServer, client: httpx.AsyncClient) -> None:
-    server.mode = "status"
-    scraper = Scraper(client, server.url, interval=INTERVAL)
-    async with running(scraper):
-        started = time.monotonic()
-        assert await scraper.wait_first(0.2) is False
-        assert 0.15 < time.monotonic() - started < 2.0
-        server.mode = "ok"
-        assert await scraper.wait_first(2.0) is True
-        assert scraper.latest is not None
-        # once there is one, it answers at once
-        assert await scraper.wait_first(0.0) is True
-
-
 async def test_stop_is_idempotent_and_leaves_no_task(
     server: MetricsServer, client: httpx.AsyncClient
 ) -> None:
@@ -427,7 +413,7 @@ async def test_stop_is_idempotent_and_leaves_no_task(
     scraper.start()
     scraper.start()  # already running: no second task
     assert len(scraper_tasks()) == 1
-    assert await scraper.wait_first(2.0)
+    await until(lambda: scraper.latest is not None, within=10)
     await scraper.stop()
     await scraper.stop()
     assert scraper_tasks() == []
@@ -447,7 +433,8 @@ async def test_stop_during_a_hung_scrape(server: MetricsServer, client: httpx.As
     await until(lambda: server.in_flight == 1)
     started = time.monotonic()
     await scraper.stop()
-    assert time.monotonic() - started < 2.0
+    stopped = time.monotonic() - started
+    assert stopped < 10.0, f"stop() waited {stopped:.1f} s for a scrape that hangs for 30 s"
     assert scraper_tasks() == []
     assert scraper.scrapes_total == 1
     assert scraper.errors_total == 0  # cancelled, not failed

@@ -256,11 +256,6 @@ class PromptCounter:
             await asyncio.wait([asyncio.wrap_future(loading)])
         return self.local_available
 
-    async def wait_checks(self) -> None:
-        """Wait for the background self-checks in flight (tests, orderly shutdown)."""
-        while self._checks:
-            await asyncio.gather(*self._checks, return_exceptions=True)
-
     def close(self) -> None:
         """Stop the self-checks and the tokenizer threads (work in progress finishes alone)."""
         for task in self._checks:

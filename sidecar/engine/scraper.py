@@ -19,7 +19,6 @@ In the app's lifespan::
 
     scraper = Scraper(client, "http://127.0.0.1:8000/metrics", interval=0.5)
     scraper.start()
-    await scraper.wait_first(5.0)  # optional: admission can start on the ledger alone
     ...
     await scraper.stop()
 """
@@ -90,7 +89,6 @@ class Scraper:
         self._listeners: list[SnapshotListener] = []
         self._failing_listeners: set[int] = set()  # ids, so each failure streak logs once
         self._task: asyncio.Task[None] | None = None
-        self._first = asyncio.Event()
         # Serialises scrape_once calls so that `latest` never steps back in time when a caller
         # scrapes by hand while the loop runs.
         self._lock = asyncio.Lock()
@@ -106,14 +104,6 @@ class Scraper:
         if self.latest is None:
             return math.inf
         return self.latest.age(self._clock())
-
-    # The timeout argument is this method's contract (the lifespan bounds its start-up wait).
-    async def wait_first(self, timeout: float) -> bool:  # noqa: ASYNC109
-        """Wait up to ``timeout`` seconds for a first good snapshot; True when there is one."""
-        if self.latest is None:
-            with anyio.move_on_after(timeout):
-                await self._first.wait()
-        return self.latest is not None
 
     async def scrape_once(self) -> EngineSnapshot | None:
         """Scrape now; return the snapshot, or None when the scrape failed. Never raises."""
@@ -200,7 +190,6 @@ class Scraper:
         self.latest = snapshot
         self.up = True
         self.last_error = None
-        self._first.set()
         if self._state_logged is not True:
             if self._down_since is None:
                 logger.info("scraping vLLM metrics at %s", self.metrics_url)
