@@ -1,11 +1,12 @@
 """The composition root: build the parts, wire them, serve two ports, handle signals and drain.
 
-:class:`Sidecar` builds the long-lived parts once (the transports to vLLM, the scraper, the ledger
-and admission controller, the metrics registry, the proxy and ops apps) and swaps in the engine
-when discovery finds it (``sidecar.engine.discovery``). :func:`serve` runs the proxy port and the
-metrics port on one loop and handles SIGTERM: not ready at once, new generation requests refused
-with 503, in-flight and startable queued requests given ``--drain-timeout`` to finish, then exit 0.
-"""
+:class:`Sidecar` builds the long-lived parts once (the transports to vLLM, the scraper, the
+health monitor, the ledger and admission controller, the metrics registry, the proxy and ops
+apps) and swaps in the engine when discovery finds it (``sidecar.engine.discovery``; the loop
+that retries it stays here, as it wires the prompt counter and the admission controller to what
+was found). :func:`serve` runs the proxy port and the metrics port on one loop and handles
+SIGTERM: not ready at once, new generation requests refused with 503, in-flight and startable
+queued requests given ``--drain-timeout`` to finish, then exit 0."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from sidecar.admission.controller import AdmissionController
 from sidecar.config import Settings
 from sidecar.counting import PromptCounter
 from sidecar.engine.discovery import discover
+from sidecar.engine.health import HealthMonitor
 from sidecar.engine.scraper import Scraper
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.errors import ConfigError
@@ -94,7 +96,9 @@ class Sidecar:
         )
         self.engine: Engine | None = None  # swapped whole by discovery, never edited in place
         self.traffic = Traffic()
-        self.vllm_healthy = False
+        self.health = HealthMonitor(
+            self.own_client, settings.upstream + "/health", interval=settings.scrape_interval
+        )
         #: with relay workers: whether they can serve (the owner's AdmissionOwner.ready)
         self.relays_ready: Callable[[], bool] = lambda: True
         self.metrics = Metrics(
@@ -129,7 +133,6 @@ class Sidecar:
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._discovery: asyncio.Task[None] | None = None
-        self._health: asyncio.Task[None] | None = None
         self._lengths: asyncio.Task[None] | None = None
         self._lengths_loaded = False
 
@@ -152,7 +155,7 @@ class Sidecar:
         return (
             self.discovered
             and not self.traffic.draining
-            and self.vllm_healthy
+            and self.health.healthy
             # the snapshot's age, not the last scrape's outcome: one failed scrape (a loop
             # lagging under a burst) must not take the pod out of service; stale data does
             and self.scraper.latest is not None
@@ -166,7 +169,7 @@ class Sidecar:
             discovered=self.discovered,
             draining=self.traffic.draining,
             vllm_up=self.scraper.up,
-            vllm_healthy=self.vllm_healthy,
+            vllm_healthy=self.health.healthy,
             vllm_metrics_age_seconds=finite(self.scraper.age()),
             last_error=self.scraper.last_error,
         )
@@ -179,16 +182,17 @@ class Sidecar:
         self.scraper.add_listener(self._on_snapshot)
         self.scraper.start()
         self._discovery = asyncio.ensure_future(self._discover_forever())
-        self._health = asyncio.ensure_future(self._check_health_forever())
+        self.health.start()
         if self.settings.lengths_file is not None:
             self._lengths = asyncio.ensure_future(self._save_lengths_forever())
 
     async def stop(self) -> None:
-        for task in (self._discovery, self._health, self._lengths):
+        for task in (self._discovery, self._lengths):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        await self.health.stop()
         await self.scraper.stop()
         self._save_lengths()
         if self.engine is not None:
@@ -244,33 +248,6 @@ class Sidecar:
                 self.engine = dataclasses.replace(engine, config=config)
         self.admission.on_snapshot(snap)
         self.metrics.on_snapshot()
-
-    async def _check_health_forever(self) -> None:
-        """vLLM's /health: its API can serve /metrics while its engine is dead (then 503)."""
-        url = self.settings.upstream + "/health"
-        timeouts = 0
-        while True:
-            try:
-                async with asyncio.timeout(max(2.0, self.settings.scrape_interval)):
-                    resp = await self.own_client.get(url)
-                healthy = resp.status_code == 200
-                timeouts = 0
-            except (TimeoutError, httpx.TimeoutException):
-                # one late answer is more often this loop lagging under a burst than vLLM
-                # failing: only a second one in a row takes the pod out of service
-                timeouts += 1
-                healthy = self.vllm_healthy and timeouts < 2
-            except httpx.HTTPError:
-                healthy = False  # refused or reset: vLLM is not there
-                timeouts = 0
-            if healthy != self.vllm_healthy:
-                log.log(
-                    logging.INFO if healthy else logging.WARNING,
-                    "vLLM /health: %s",
-                    "healthy" if healthy else "not healthy",
-                )
-            self.vllm_healthy = healthy
-            await asyncio.sleep(self.settings.scrape_interval)
 
     # --- learned lengths across restarts ------------------------------------------------------
 
