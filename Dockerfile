@@ -4,8 +4,10 @@
 #   docker build -t kv-sidecar:0.1.0 .
 #
 # Dependencies come only from requirements.lock: every version pinned, every file hashed, wheels
-# only (no compiler in either stage). Regenerate the lock as deploy/README.md says when
-# pyproject.toml's dependencies change; tests/test_deploy.py fails when one is missing from it.
+# only (no compiler in either stage). The lock includes the `otlp` extra (the OTLP/HTTP span
+# exporter), so OTEL_EXPORTER_OTLP_* turns traces on in the image. Regenerate the lock as
+# deploy/README.md says when pyproject.toml's dependencies change; tests/test_deploy.py fails when
+# one is missing from it.
 
 ARG PYTHON_IMAGE=python:3.11-slim-trixie
 

@@ -214,10 +214,11 @@ ALERTS: tuple[Alert, ...] = (
         severity="warning",
         summary="The sidecar uses nearly all the CPU it can: every request waits for it.",
         description=(
-            f"{_WHERE}: the sidecar process has used {{{{ $value | humanizePercentage }}}} of "
-            f"the CPU it can use (its CPU limit, at most {EVENT_LOOP_CORES} core for its event "
-            f"loop) for {CPU_SATURATION_MINUTES} minutes. Counting, admission, the relay and its "
-            "scrapes of vLLM all wait for it: latency grows and its view of vLLM can go stale."
+            f"{_WHERE}: the sidecar's processes have used {{{{ $value | humanizePercentage }}}} "
+            f"of the CPU they can use (their CPU limit, at most {EVENT_LOOP_CORES} core per "
+            "event loop: the main process and each relay worker) for "
+            f"{CPU_SATURATION_MINUTES} minutes. Counting, admission, the relay and its scrapes "
+            "of vLLM all wait for it: latency grows and its view of vLLM can go stale."
         ),
     ),
     Alert(

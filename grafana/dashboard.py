@@ -46,6 +46,7 @@ from grafana.panels import (
 from grafana.promql import (
     CPU_SATURATION_SHARE,
     REFUSED_429_MATCHERS,
+    RELAY_WORKERS,
     cpu_share,
     histogram_quantile,
     rate,
@@ -67,6 +68,8 @@ VLLM_MATCHERS: tuple[str, ...] = (
     'model_name=~"$model_name"',
     'engine=~"$engine"',
 )
+#: What a panel over vLLM's series alone shows when none is scraped.
+NO_VLLM = "No vLLM scraped"
 #: Grafana's rate window: at least four scrape intervals whatever the zoom.
 RATE_WINDOW = "$__rate_interval"
 #: Grafana's custom unit "count:<symbol>": 1.2K tok/s.
@@ -145,7 +148,7 @@ def _verdict_row() -> list[PanelBuilder]:
             [Query(PREEMPTIONS_PER_SECOND, "preemptions/s")],
             [Step(None, "green"), Step(0.001, "red")],
             decimals=3,
-            no_data="No vLLM scraped",
+            no_data=NO_VLLM,
         ),
         stat_panel(
             "429 share",
@@ -227,6 +230,7 @@ def _against_preemption_row() -> list[PanelBuilder]:
             [Query(_per_pod("sum", per_second(vllm("vllm:num_preemptions_total"))), "{{pod}}")],
             width=6,
             min_value=0,
+            no_data=NO_VLLM,
         ),
         timeseries_panel(
             "vLLM requests running / waiting",
@@ -238,6 +242,7 @@ def _against_preemption_row() -> list[PanelBuilder]:
             ],
             width=6,
             min_value=0,
+            no_data=NO_VLLM,
         ),
         timeseries_panel(
             "vLLM waiting requests by reason",
@@ -255,6 +260,7 @@ def _against_preemption_row() -> list[PanelBuilder]:
             width=6,
             stacked=True,
             min_value=0,
+            no_data="No vllm:num_requests_waiting_by_reason: older vLLM versions do not export it",
         ),
     ]
 
@@ -622,7 +628,7 @@ def _vllm_latency_row() -> list[PanelBuilder]:
                 ),
             ],
             min_value=0,
-            no_data="No vLLM scraped",
+            no_data=NO_VLLM,
         ),
     ]
 
@@ -677,9 +683,11 @@ def _health_row() -> list[PanelBuilder]:
         ),
         timeseries_panel(
             "Sidecar CPU (share of what it can use)",
-            "The sidecar process's CPU time per second (process_cpu_seconds_total) over what it "
-            "can use: its CPU limit (kv_sidecar_cpu_limit_cores), at most one core, since its "
-            "event loop is one thread. Above the dashed line for 10 minutes: alert "
+            "The sidecar's CPU time per second (process_cpu_seconds_total, its main process and "
+            "relay workers together) over what it can use: its CPU limit "
+            "(kv_sidecar_cpu_limit_cores), at most one core per event loop (one thread each): "
+            "the main process's, plus one per relay worker (kv_sidecar_relay_workers, with "
+            "--workers above 1). Above the dashed line for 10 minutes: alert "
             "KVSidecarCPUSaturated; a saturated sidecar delays every request and its scrapes "
             "of vLLM.",
             "percentunit",
@@ -691,6 +699,7 @@ def _health_row() -> list[PanelBuilder]:
                             sidecar("process_cpu_seconds_total"),
                             sidecar("kv_sidecar_cpu_limit_cores"),
                             RATE_WINDOW,
+                            relay_workers=sidecar(RELAY_WORKERS),
                         ),
                     ),
                     "{{pod}}",

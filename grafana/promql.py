@@ -28,8 +28,11 @@ REFUSED_429_MATCHERS: tuple[str, ...] = (
 #: Share of the CPU the sidecar can use above which it is saturated (KVSidecarCPUSaturated, and
 #: the dashboard's line): past it, CPU throttling and a busy event loop delay every request.
 CPU_SATURATION_SHARE = 0.8
-#: The most CPU the sidecar's event loop can use: one thread, so one core whatever the limit.
+#: The most CPU one event loop can use: one thread, so one core whatever the limit. The sidecar
+#: has one (its main process) plus one per relay worker (``--workers`` above 1).
 EVENT_LOOP_CORES = 1
+#: Relay workers connected to the main process (a gauge, only with ``--workers`` above 1).
+RELAY_WORKERS = "kv_sidecar_relay_workers"
 
 
 def selector(metric: str, *matchers: str) -> str:
@@ -60,15 +63,31 @@ def histogram_quantile(
     return f"histogram_quantile({quantile}, sum by ({labels}) ({rate(bucket_series, window)}))"
 
 
-def cpu_share(process_cpu: str, limit_cores: str, window: str) -> str:
-    r"""The sidecar's CPU use over what it can use: its CPU limit, at most one core.
+def cpu_share(
+    process_cpu: str, limit_cores: str, window: str, relay_workers: str = RELAY_WORKERS
+) -> str:
+    r"""The sidecar's CPU use over what it can use: its CPU limit, at most one core per event loop.
 
-    The sidecar's work runs on one asyncio event loop (one thread; only long prompts are
-    tokenized on worker threads), which saturates at one core however high the limit, and the
-    process is throttled at its limit. Both series come from the sidecar's own scrape target, so
-    the division's one-to-one match on every label drops the other containers' process series.
+    Each sidecar process does its work on one asyncio event loop (one thread; only long prompts
+    are tokenized on worker threads), which saturates at one core however high the limit: the
+    main process, plus each relay worker with ``--workers`` above 1. ``process_cpu`` is summed
+    over all of them, ``relay_workers`` counts the connected workers (the series exists only
+    with ``--workers`` above 1: missing, it counts as 0, taking the labels of ``limit_cores``),
+    and the processes are throttled together at the limit. The smaller of the two ceilings is
+    the limit where it is at most ``1 + workers`` (the comparison keeps it) or else ``1 +
+    workers``. Every series comes from the sidecar's own scrape target with the same labels, and
+    each binary operation matches on every label but the metric name: it pairs a target's own
+    series, and the division drops the process series of other containers (whose targets have
+    no limit gauge).
 
-    >>> cpu_share("process_cpu_seconds_total", "kv_sidecar_cpu_limit_cores", "5m")
-    'rate(process_cpu_seconds_total[5m])\n/\nclamp_max(kv_sidecar_cpu_limit_cores, 1)'
+    >>> print(cpu_share("cpu", "limit", "5m", relay_workers="workers"))
+    rate(cpu[5m])
+    /
+    (
+      (limit <= 1 + (workers or limit * 0))
+      or
+      1 + (workers or limit * 0)
+    )
     """
-    return f"{rate(process_cpu, window)}\n/\nclamp_max({limit_cores}, {EVENT_LOOP_CORES})"
+    cores = f"{EVENT_LOOP_CORES} + ({relay_workers} or {limit_cores} * 0)"
+    return f"{rate(process_cpu, window)}\n/\n(\n  ({limit_cores} <= {cores})\n  or\n  {cores}\n)"

@@ -17,6 +17,7 @@ import yaml
 
 from grafana import build
 from grafana.alerts import ALERTS, rule_groups
+from grafana.promql import CPU_SATURATION_SHARE
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMTOOL_TESTS = Path(__file__).parent / "fixtures" / "promtool"
@@ -131,3 +132,33 @@ def test_unit_tests_catch_a_broken_rule(alert: Any, mutation: str, tmp_path: Pat
         mutated.write_text(yaml.safe_dump(document), encoding="utf-8")
         failed.append(run_promtool("test", "rules", mutated).returncode != 0)
     assert failed and any(failed), f"the unit tests pass although {alert.name} {mutation}"
+
+
+#: Ceilings KVSidecarCPUSaturated must not divide by: one core whatever ``--workers`` (the main
+#: process and its relay workers are summed in process_cpu_seconds_total, so two workers at half
+#: a core read as saturated), or one core per event loop whatever the CPU limit.
+WRONG_CPU_CEILINGS: dict[str, str] = {
+    "one core with workers": "clamp_max(kv_sidecar_cpu_limit_cores, 1)",
+    "ignores the limit": "(1 + (kv_sidecar_relay_workers or kv_sidecar_cpu_limit_cores * 0))",
+}
+
+
+@pytest.mark.parametrize("ceiling", sorted(WRONG_CPU_CEILINGS))
+def test_cpu_saturation_counts_one_core_per_process_up_to_the_limit(
+    ceiling: str, tmp_path: Path
+) -> None:
+    groups = rule_groups()
+    [rule] = [r for r in groups[0]["rules"] if r["alert"] == "KVSidecarCPUSaturated"]
+    rule["expr"] = (
+        "max by (namespace, pod) (\n"
+        f"rate(process_cpu_seconds_total[5m]) / {WRONG_CPU_CEILINGS[ceiling]}\n"
+        f") > {CPU_SATURATION_SHARE}"
+    )
+    rules_path = tmp_path / "alerts.yaml"
+    rules_path.write_text(yaml.safe_dump({"groups": groups}), encoding="utf-8")
+    document = load_yaml(PROMTOOL_TESTS / "cpu_saturated.test.yaml")
+    document["rule_files"] = [str(rules_path)]
+    mutated = tmp_path / "cpu_saturated.test.yaml"
+    mutated.write_text(yaml.safe_dump(document), encoding="utf-8")
+    result = run_promtool("test", "rules", mutated)
+    assert result.returncode != 0, f"the unit tests pass although the rule {ceiling}"

@@ -479,6 +479,30 @@ def test_vllms_waiting_reasons_exist_in_the_fixture(known_series: dict[str, Seri
         if p["title"] == "vLLM waiting requests by reason"
     ]
     assert all(reason in panel["description"] for reason in reasons)
+    # vLLM versions from before the metric leave the panel empty: it says so
+    no_value = panel["fieldConfig"]["defaults"]["noValue"]
+    assert "vllm:num_requests_waiting_by_reason" in no_value and "older vLLM" in no_value
+
+
+def test_panels_over_vllm_series_alone_say_why_they_are_empty() -> None:
+    """A panel drawn from vLLM's series only is empty when no vLLM is scraped (or this vLLM
+    lacks the series): it says so instead of Grafana's "No data"."""
+    panels = [
+        panel
+        for panel in iter_panels(load_dashboard()["panels"])
+        if panel.get("targets")
+        and all(
+            vector.name.startswith("vllm:")
+            for target in panel["targets"]
+            for vector in selectors(
+                promql_parser.parse(substitute(target["expr"], SAMPLE_SUBSTITUTIONS))
+            )
+        )
+    ]
+    titles = {panel["title"] for panel in panels}
+    assert {"vLLM requests running / waiting", "vLLM waiting requests by reason"} <= titles
+    for panel in panels:
+        assert panel["fieldConfig"]["defaults"].get("noValue"), panel["title"]
 
 
 def test_every_expression_parses_with_promtool(tmp_path: Path) -> None:

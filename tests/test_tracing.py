@@ -7,15 +7,18 @@ a batch delay of a minute: the spans can only arrive through the flush at SIGTER
 server span per generation request, continuing the client's ``traceparent``, with children for
 counting, the admission queue (its wait measured) and the upstream call; vLLM received a
 ``traceparent`` of the same trace whose parent is the upstream span. Without ``OTEL_*`` the
-sidecar makes no spans and the client's ``traceparent`` reaches vLLM unchanged.
+sidecar makes no spans and the client's ``traceparent`` reaches vLLM unchanged. In front of a
+real vLLM exporting its own spans: ``tests/test_tracing_vllm.py``.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
+import re
 import threading
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -304,3 +307,16 @@ def test_bad_otel_setting_is_a_one_line_error(model_dir: Path) -> None:
     log = sc.log()
     assert "kv-sidecar serve: error: OTEL_TRACES_EXPORTER: unknown exporter 'zipkin'" in log
     assert "Traceback" not in log
+
+
+def test_the_image_lock_carries_the_otlp_exporter() -> None:
+    """The image installs requirements.lock only: without the ``otlp`` extra in it, setting
+    OTEL_EXPORTER_OTLP_* on the image would stop the sidecar at start."""
+    root = Path(__file__).resolve().parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    wanted = project["project"]["optional-dependencies"]["otlp"]
+    names = {re.split(r"[\[<>=!~; ]", spec, maxsplit=1)[0].lower() for spec in wanted}
+    pinned = set(
+        re.findall(r"^([a-z0-9][a-z0-9._-]*)==", (root / "requirements.lock").read_text(), re.M)
+    )
+    assert names and names <= pinned, names - pinned
