@@ -2,10 +2,11 @@
 
 The shapes are copied from what a real vLLM 0.32 (CPU build) answered, in
 ``tests/fixtures/vllm-0.32.0-cpu/``: ``/v1/models``, ``/metrics`` (the captured text with the
-values the sidecar reads swapped in), ``/tokenize``, and completions and chat completions, plain
-JSON or SSE. Token counts are a deterministic function of the text (:func:`count_prompt`), not a
-real tokenizer. Extra routes exercise the proxy's pass-through: ``/echo/...``, ``/slow``,
-``/status/{code}`` and ``/gzip``.
+values the sidecar reads swapped in, plus ``vllm:lora_requests_info`` as vLLM's source writes it
+when LoRA is on: ``max_loras``, :meth:`FakeVllm.record_lora`), ``/tokenize``, and completions and
+chat completions, plain JSON or SSE. Token counts are a deterministic function of the text
+(:func:`count_prompt`), not a real tokenizer. Extra routes exercise the proxy's pass-through:
+``/echo/...``, ``/slow``, ``/status/{code}`` and ``/gzip``.
 
 It is a pure ASGI app (:class:`FakeVllm`) served by uvicorn on a loopback port in a thread
 (:class:`FakeServer`), so both sync and async tests can use it and can stop it under a running
@@ -31,13 +32,14 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qs
 
 import uvicorn
+from prometheus_client.utils import floatToGoString
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -183,6 +185,12 @@ class FakeVllm:
         self.default_max_tokens: int | None = generation_default(model_root)
         self.max_tokens_cap: int | None = None
         self.fail_after: int | None = None  # generations crash after this many tokens
+        # vLLM's --enable-lora --max-loras N: with it set, /metrics has vllm:lora_requests_info
+        # (see record_lora); None (the default) serves vLLM without LoRA, which exports no such
+        # family at all
+        self.max_loras: int | None = None
+        #: vllm:lora_requests_info's series: (running, waiting) adapters -> the time vLLM set it
+        self.lora_series: dict[tuple[str, str], float] = {}
         # what it saw
         self.requests: list[Recorded] = []
         self.in_flight = 0  # generations (and /slow streams) running now
@@ -214,7 +222,31 @@ class FakeVllm:
 
         return [r for r in list(self.requests) if not probe(r)]
 
+    def record_lora(self, running: Sequence[str] = (), waiting: Sequence[str] = ()) -> None:
+        """What vLLM 0.32's PrometheusStatLogger.record does with LoRA on, at each step it logs:
+        ``vllm:lora_requests_info`` under the adapters running and waiting now (names joined with
+        commas) is set to the current time; the series of earlier adapter sets stay, with their
+        older times (vllm/v1/metrics/loggers.py)."""
+        self.lora_series[(",".join(running), ",".join(waiting))] = time.time()
+
     # --- rendering ----------------------------------------------------------------------
+
+    def lora_text(self) -> str:
+        """``vllm:lora_requests_info`` as vLLM 0.32 exports it when LoRA is on: a gauge with
+        labels max_lora, running_lora_adapters and waiting_lora_adapters (no engine label), one
+        series per adapter set, each valued at the time it was last set; prometheus_client prints
+        the labels sorted, and only HELP and TYPE before the first record."""
+        lines = [
+            "# HELP vllm:lora_requests_info Running stats on lora requests.",
+            "# TYPE vllm:lora_requests_info gauge",
+        ]
+        for (running, waiting), at in list(self.lora_series.items()):
+            labels = (
+                f'max_lora="{self.max_loras}",running_lora_adapters="{running}",'
+                f'waiting_lora_adapters="{waiting}"'
+            )
+            lines.append(f"vllm:lora_requests_info{{{labels}}} {floatToGoString(at)}")
+        return "\n".join(lines) + "\n"
 
     def metrics_text(self) -> str:
         text = METRICS_TEXT
@@ -231,6 +263,10 @@ class FakeVllm:
             r'(?<=[{,])num_gpu_blocks="\d+"', f'num_gpu_blocks="{self.num_gpu_blocks}"', text
         )
         text = re.sub(r'(?<=[{,])block_size="\d+"', f'block_size="{self.block_size}"', text)
+        if self.max_loras is not None:
+            # registered just before vllm:cache_config_info (PrometheusStatLogger.__init__)
+            at = text.index("# HELP vllm:cache_config_info ")
+            text = text[:at] + self.lora_text() + text[at:]
         if self.metrics_mode == "no_cache_config":
             text = "".join(
                 line for line in text.splitlines(True) if "vllm:cache_config_info" not in line

@@ -234,6 +234,9 @@ def _check_scaled_object(doc: dict[str, Any]) -> None:
     fallback = spec["fallback"]
     assert fallback["failureThreshold"] >= 1
     assert spec.get("minReplicaCount", 0) <= fallback["replicas"] <= spec["maxReplicaCount"]
+    # a Prometheus outage never scales in: KEDA (2.17+) falls back to max(current, replicas),
+    # where the default (static) would set fallback.replicas whatever the current size
+    assert fallback.get("behavior") == "currentReplicasIfHigher", fallback
 
 
 #: Custom resources kubernetes-validate has no schema for, and what each must carry.
@@ -280,9 +283,12 @@ def test_sidecar_is_locked_down(kustomization: str) -> None:
         tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
         assert tmp and "emptyDir" in volumes[tmp[0]["name"]]
         assert {"cpu", "memory"} <= set(c["resources"]["requests"])
-        # memory is capped; CPU is not (a quota only throttles the one event loop: the README's
-        # measurement sizes the request instead)
+        # memory is capped; CPU is not (a quota only throttles the one event loop of the default
+        # --workers 1: the README's measurement sizes the request instead). With no CPU limit,
+        # --workers auto would start one relay worker per CPU of the node: none is set here.
         assert set(c["resources"]["limits"]) == {"memory"}
+        assert "KV_SIDECAR_WORKERS" not in sidecar_env(render(kustomization), c)
+        assert not any("--workers" in a for a in c.get("command", []) + c.get("args", []))
         assert ":" in c["image"] and not c["image"].endswith(":latest"), c["image"]
 
 
@@ -754,18 +760,30 @@ def test_version_label_is_the_sidecar_release_and_in_no_selector() -> None:
         (DEPLOY / "components" / "kv-sidecar" / "kustomization.yaml").read_text()
     )
     assert component["images"][0]["newTag"] == version
+    # The add-to-existing overlay labels only what it adds: the objects someone else renders (its
+    # stand-in here) keep their own labels, and a label on the whole overlay would change them.
+    existing = {
+        (d["kind"], d["metadata"]["name"]) for d in render("overlays/add-to-existing-vllm/existing")
+    }
+    assert existing, "the add-to-existing overlay's stand-in renders nothing"
     for kustomization in KUSTOMIZATIONS:
-        if kustomization == "overlays/add-to-existing-vllm":
-            continue  # objects someone else renders keep their own labels
+        others = existing if kustomization == "overlays/add-to-existing-vllm" else set()
+        checked = 0
         for doc in render(kustomization):
+            if (doc["kind"], doc["metadata"]["name"]) in others:
+                continue
+            checked += 1
             labels = doc["metadata"].get("labels", {})
-            assert labels.get("app.kubernetes.io/version") == version, (kustomization, doc["kind"])
+            where = (kustomization, doc["kind"], doc["metadata"]["name"])
+            assert labels.get("app.kubernetes.io/version") == version, where
+            assert labels.get("app.kubernetes.io/part-of") == "vllm-kv-sidecar", where
             spec = doc.get("spec", {})
             selectors = [spec.get("selector", {}), spec.get("podSelector", {})]
-            assert "app.kubernetes.io/version" not in json.dumps(selectors), doc["kind"]
-        for deployment in of_kind(render(kustomization), "Deployment"):
-            pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-            assert pod_labels["app.kubernetes.io/version"] == version
+            assert "app.kubernetes.io/version" not in json.dumps(selectors), where
+            if doc["kind"] == "Deployment":
+                pod_labels = doc["spec"]["template"]["metadata"]["labels"]
+                assert pod_labels["app.kubernetes.io/version"] == version, where
+        assert checked >= 5, (kustomization, checked)
 
 
 # --- the gateway: ingress-nginx and plain nginx retry a refused request on another pod -----------
@@ -864,7 +882,9 @@ class _Upstream:
 def test_nginx_config_sends_a_refused_request_to_the_other_pod(tmp_path: Path) -> None:
     """The shipped config, run by a real nginx with its two servers pointed at two stand-ins: a
     request the first refuses with 429 is answered by the second; when both refuse, the client
-    gets the 429 after exactly two tries, and the refused pod is asked again next time."""
+    gets the 429 after exactly two tries; and the refusing pod stays in the rotation: round robin
+    keeps asking it first every other request (max_fails=0), where nginx's default (max_fails=1,
+    fail_timeout=10s) would count its first 429 as a failure and skip it for 10 s."""
     import httpx
 
     from harness.vllm_cpu import free_port
@@ -875,6 +895,10 @@ def test_nginx_config_sends_a_refused_request_to_the_other_pod(tmp_path: Path) -
     text = text.replace("10.0.0.11:8080", f"127.0.0.1:{refusing.port}")
     text = text.replace("10.0.0.12:8080", f"127.0.0.1:{serving.port}")
     text = text.replace("listen 8080;", f"listen 127.0.0.1:{listen};")
+    # One worker: nginx's round robin and its failure counts are per worker (no shared zone), so
+    # with several workers the default max_fails could let each of them ask the refusing pod once.
+    assert "worker_processes auto;" in text
+    text = text.replace("worker_processes auto;", "worker_processes 1;")
     temp = "".join(
         f"    {d}_temp_path {tmp_path / d};\n"
         for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
@@ -904,11 +928,13 @@ def test_nginx_config_sends_a_refused_request_to_the_other_pod(tmp_path: Path) -
         for body in bodies:
             resp = httpx.post(url, content=body, timeout=10)
             assert resp.status_code == 200, resp.text
-        # every request was answered by the serving pod; round robin sent some to the refusing
-        # one first (max_fails=0 keeps it in the rotation after each 429), then retried them
+        # every request was answered by the serving pod; round robin sent every other one to the
+        # refusing pod first, which refused it, and nginx retried it on the serving one. With
+        # nginx's default max_fails the refusing pod would see only the first request (one body).
         assert serving.bodies == bodies
-        assert 1 <= len(refusing.bodies) <= len(bodies)
+        assert len(refusing.bodies) >= len(bodies) // 2, refusing.bodies
         assert set(refusing.bodies) <= set(bodies)
+        assert len(set(refusing.bodies)) == len(refusing.bodies)  # each refused once, then retried
         # both refuse: the client gets the 429 (with its Retry-After) after two tries, no more
         serving.status = 429
         before = len(refusing.bodies) + len(serving.bodies)

@@ -4,9 +4,10 @@ The picker's configuration names, plugin types and extraction rules are vendored
 tests/fixtures/llm-d-router/facts.json, each with the llm-d-router file and commit it was read
 from (CI has no network). The first tests check the shipped EndpointPickerConfig and InferencePool
 against those facts and against the rendered base (the ports it names are the sidecar's). The last
-one starts a real sidecar process in front of the fake vLLM and reads its metrics port the way the
-picker does (a plain GET, the Prometheus text format): every series the recipe's specs name is
-there, of a type whose value the picker reads, with the labels it parses.
+one starts a real sidecar process in front of the fake vLLM (serving LoRA adapters, so that vLLM
+exports vllm:lora_requests_info) and reads its metrics port the way the picker does (a plain GET,
+the Prometheus text format): every series the recipe's specs name is there, of a type whose value
+the picker reads, with the labels it parses.
 """
 
 from __future__ import annotations
@@ -167,20 +168,48 @@ def test_readme_recipe_uses_no_refused_flag() -> None:
 # --- the specs against the sidecar's live exposition --------------------------------------------
 
 
+def _newest_lora(fake: FakeVllm) -> dict[str, str]:
+    """The labels of the fake vLLM's newest vllm:lora_requests_info series."""
+    (running, waiting), _ = max(fake.lora_series.items(), key=lambda item: item[1])
+    return {
+        "max_lora": str(fake.max_loras),
+        "running_lora_adapters": running,
+        "waiting_lora_adapters": waiting,
+    }
+
+
 @pytest.fixture(scope="module")
 def exposition(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, FakeVllm]]:
-    """The sidecar's metrics port as the picker reads it, once discovery has found vLLM."""
+    """The sidecar's metrics port as the picker reads it, once discovery has found vLLM and the
+    sidecar has relayed vLLM's newest LoRA sample. vLLM serves LoRA here (--max-loras 4) and its
+    exposition holds two series of vllm:lora_requests_info, an older and a newer adapter set: the
+    sidecar must relay the newer one only."""
     fake = FakeVllm(model_root=write_model_dir(tmp_path_factory.mktemp("model") / "tiny"))
+    fake.max_loras = 4
+    fake.record_lora(running=["sql"], waiting=["chat"])
     with FakeServer(fake) as upstream, SidecarProcess(upstream.url) as sidecar:
-        deadline = time.monotonic() + 30
-        while True:
-            # a plain GET, like the picker's HTTP source (no Accept header asking for OpenMetrics)
-            resp = httpx.get(sidecar.metrics_url + "/metrics", timeout=5)
-            assert resp.status_code == 200
-            if "vllm:cache_config_info" in resp.text:
-                break
-            assert time.monotonic() < deadline, "the sidecar never served vllm:cache_config_info"
-            time.sleep(0.2)
+
+        def relayed(until: dict[str, str]) -> httpx.Response:
+            deadline = time.monotonic() + 30
+            while True:
+                # a plain GET, like the picker's HTTP source (no Accept header for OpenMetrics)
+                resp = httpx.get(sidecar.metrics_url + "/metrics", timeout=5)
+                assert resp.status_code == 200
+                families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+                lora = families.get("vllm:lora_requests_info")
+                if "vllm:cache_config_info" in families and lora is not None:
+                    if [s.labels for s in lora.samples] == [until]:
+                        return resp
+                assert time.monotonic() < deadline, (
+                    f"the sidecar never served vllm:cache_config_info and {until}:\n{resp.text}"
+                )
+                time.sleep(0.2)
+
+        relayed(_newest_lora(fake))
+        time.sleep(0.01)  # a later time for the newer series
+        fake.record_lora(running=["sql", "chat"])
+        resp = relayed(_newest_lora(fake))
+        assert len(fake.lora_series) == 2  # vLLM keeps the older series beside the newer one
         assert resp.headers["content-type"].startswith("text/plain")
         yield resp.text, fake
 
@@ -188,15 +217,16 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
 def test_every_spec_finds_a_series_the_picker_can_read(exposition: tuple[str, FakeVllm]) -> None:
     text, fake = exposition
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    optional = set(FACTS["extraction"]["optional_when_absent"])
     value_types = set(FACTS["extraction"]["value_types"])
-    for field, spec in engine_specs().items():
+    specs = engine_specs()
+    assert "loraSpec" in specs
+    for field, spec in specs.items():
         name, labels = parse_spec(spec)
-        # prometheus_client drops a counter's _total from the family name; the picker does not
+        # prometheus_client drops a counter's _total from the family name; the picker does not.
+        # Every spec must find its series: the fake vLLM serves LoRA, so vllm:lora_requests_info,
+        # which the picker would skip silently if absent, must be relayed too.
         family = families.get(name) or families.get(name.removesuffix("_total"))
-        if family is None:
-            assert field in optional, f"{field}: {name} is not on the sidecar's metrics port"
-            continue
+        assert family is not None, f"{field}: {name} is not on the sidecar's metrics port"
         matching = [
             s for s in family.samples if all(s.labels.get(k) == v for k, v in labels.items())
         ]
@@ -209,7 +239,12 @@ def test_every_spec_finds_a_series_the_picker_can_read(exposition: tuple[str, Fa
             assert int(sample.labels["num_gpu_blocks"]) == fake.num_gpu_blocks
             assert int(sample.labels["block_size"]) == 128
         elif field == "loraSpec":
-            assert set(FACTS["extraction"]["lora_labels"]) & set(matching[0].labels)
+            assert family.type in value_types, f"{field}: {name} is a {family.type}"
+            # vLLM's newest sample as it was: its labels, and its value (the time vLLM set it)
+            (sample,) = matching
+            assert set(FACTS["extraction"]["lora_labels"]) <= set(sample.labels), sample.labels
+            assert sample.labels == _newest_lora(fake)
+            assert sample.value == max(fake.lora_series.values())
         else:
             assert family.type in value_types, f"{field}: {name} is a {family.type}"
     kv = families["kv_sidecar_kv_projected_usage_ratio"].samples[0].value

@@ -17,9 +17,13 @@ KV pool: the controller keeps one :class:`Pool` (ledger, engine view, Retry-Afte
 engine and admits a request into the pool it fits best (the most room left), then the proxy
 pins it there with vLLM's ``X-data-parallel-rank`` header, which its chat, completions and
 messages endpoints honour (``_get_data_parallel_rank`` in ``entrypoints/generate/base/
-serving.py``). Without the pin vLLM's coordinator picks the engine by load (waiting and running
-counts, ``DPLBAsyncMPClient.get_core_engine_for_request``), not by KV, so a request that cannot
-be pinned (``/v1/responses``) is reserved in every pool, and a client's own pin is kept.
+serving.py``). Without the pin vLLM 0.32 picks the engine with the lowest score
+(``DPLBAsyncMPClient.get_core_engine_for_request``): its waiting plus running requests (the
+coordinator's counts, or the API server's own in-flight count to it if higher), plus, when
+requests wait there, ``6 * (kv_cache_usage - 0.5)`` per waiting request once the engine's KV usage
+(blocks allocated) is above 50 %. That penalises a queue on a full engine but never weighs the
+request's own need against the room each engine has left: hence the pin, and a request that
+cannot be pinned (``/v1/responses``) is reserved in every pool; a client's own pin is kept.
 
 Outcomes are values (:class:`Decision`), not exceptions; ``sidecar.http.refusals`` maps them
 to HTTP.
