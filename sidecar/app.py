@@ -65,8 +65,11 @@ class Sidecar:
         registry: CollectorRegistry | None = None,
         tracing: Tracing | None = None,
         process_children: Callable[[], Iterable[int]] | None = None,
+        counts_prompts: bool = True,
     ) -> None:
         self.settings = settings
+        #: False for the relay workers' owner: the workers count, so it loads no tokenizer
+        self.counts_prompts = counts_prompts
         self.tracing = tracing  # None: no spans (the OTEL_* environment asked for none)
         self.registry = registry if registry is not None else CollectorRegistry()
         # the proxy's pool: the relay sends on the transport directly (each client's own headers)
@@ -303,7 +306,7 @@ class Sidecar:
             client=self.own_client,
             upstream=settings.upstream,
             served_model=config.model,
-            tokenizer_path=config.tokenizer_path,
+            tokenizer_path=config.tokenizer_path if self.counts_prompts else None,
             max_model_len=config.max_model_len,
             observer=self.metrics,
             # full prompt blocks are hashed for the ledger to count shared prefixes once
@@ -334,7 +337,13 @@ class Sidecar:
             config.block_size,
             config.bytes_per_block if config.bytes_per_block is not None else "unknown",
             "model config" if config.model_dir is not None else "no model config",
-            f"local tokenizer {config.tokenizer_path}" if local else "vLLM /tokenize",
+            (
+                "in the relay workers"
+                if not self.counts_prompts
+                else f"local tokenizer {config.tokenizer_path}"
+                if local
+                else "vLLM /tokenize"
+            ),
         )
 
 
@@ -420,7 +429,10 @@ async def serve_with_workers(settings: Settings, workers: int) -> int:
     path = os.path.join(private, "owner.sock")
     supervisor = Supervisor(workers, socket_path=path, listen_fd=listener.fileno())
     sidecar = Sidecar(
-        settings, tracing=tracing_from_env(os.environ), process_children=supervisor.pids
+        settings,
+        tracing=tracing_from_env(os.environ),
+        process_children=supervisor.pids,
+        counts_prompts=False,
     )
     owner = AdmissionOwner(
         sidecar.admission,

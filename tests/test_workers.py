@@ -349,6 +349,10 @@ def test_requests_spread_over_both_workers_and_are_counted_once(
     assert (metric_value(text, "kv_sidecar_prompt_counts_total") or 0) >= sent
     assert (metric_value(text, "kv_sidecar_completion_tokens_total") or 0) == 8 * sent
     assert metric_value(text, "process_cpu_seconds_total")
+    # every admitted request's decision timed once (the owner's round trip included)
+    assert metric_value(text, "kv_sidecar_decision_seconds_count") == sent
+    # the owner decides but never counts: it loads no tokenizer
+    assert "prompt counting in the relay workers" in sidecar.log()
 
 
 def test_a_burst_over_the_budget_spread_over_the_workers_never_over_admits(

@@ -200,8 +200,7 @@ class GenerationPath:
                 pinnable=pinnable,
                 key=key,
             )
-            self.metrics.decision_time(time.perf_counter() - t1)
-            if decision is None:  # queue it
+            if decision is None:  # queue it (with relay workers: ask the owner)
                 decision = await self.gate.wait(
                     projection,
                     streamed=request.stream,
@@ -214,6 +213,8 @@ class GenerationPath:
                 )
                 self.metrics.queue_waited(decision.waited_seconds)
             record.admit_end = time.perf_counter()
+            # projecting and deciding, the owner's round trip included, the queue wait not
+            self.metrics.decision_time(record.admit_end - t1 - decision.waited_seconds)
             _decided(record, decision)
             self.metrics.decided(decision)
             if decision.outcome is Outcome.CANCEL:
