@@ -63,6 +63,7 @@ RELAY = "uvicorn+httpx relay"
 #: the same relay on the sidecar's transport, and on aiohttp: what the HTTP client alone costs
 OWN_RELAY = "uvicorn+httpx relay, sidecar transport"
 AIOHTTP_RELAY = "uvicorn+aiohttp relay"
+GRANIAN_RELAY = "granian+httpx relay, sidecar transport"
 IDS = "sidecar, prompt as token ids"
 PROMPT = "Explain in one sentence why a proxy in front of vLLM should count prompt tokens."
 SMALL_BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0.0}
@@ -537,6 +538,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         relays.append(own_relay)
         aiohttp_relay = BenchProxy("shim", upstream.url, "--client", "aiohttp")
         relays.append(aiohttp_relay)
+        granian_relay = BenchProxy(
+            "shim", upstream.url, "--client", "upstream-transport", "--server", "granian"
+        )
+        relays.append(granian_relay)
         assert local.proc is not None and remote.proc is not None
         direct = Target("direct", upstream.url, [upstream.proc.pid])
         via_local = Target("sidecar", local.url, [local.proc.pid])
@@ -545,6 +550,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         via_relay = Target(RELAY, relay.url, [relay.proc.pid])
         via_own = Target(OWN_RELAY, own_relay.url, [own_relay.proc.pid])
         via_aiohttp = Target(AIOHTTP_RELAY, aiohttp_relay.url, [aiohttp_relay.proc.pid])
+        # granian's Rust threads are threads of the one process: its CPU counts them all
+        via_granian = Target(GRANIAN_RELAY, granian_relay.url, [granian_relay.proc.pid])
         via_ids = Target(IDS, local.url, [local.proc.pid], script=ids_script)
         via_multi: list[Target] = []
         if multi is not None:
@@ -572,6 +579,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             via_relay,
             via_own,
             via_aiohttp,
+            via_granian,
         ]
         upstream_stat = ProcStat(upstream.proc.pid)
         for t in targets:
@@ -632,7 +640,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["throughput"] = thr
 
             # 3. SSE events relayed: unpaced (as fast as the upstream writes) and paced
-            sse_targets = [direct, via_local, *olds[:1], via_nginx, via_relay, via_own, via_aiohttp]
+            sse_targets = [
+                direct,
+                via_local,
+                *olds[:1],
+                via_nginx,
+                via_relay,
+                via_own,
+                via_aiohttp,
+                via_granian,
+            ]
             streams: dict[str, dict[str, list[dict[str, Any]]]] = {}
             for mode, interval, conc in (
                 ("unpaced", None, args.sse_concurrency),

@@ -22,6 +22,9 @@ its default transport), ``upstream-transport`` (the sidecar's own transport,
     python -m bench.proxies shim --upstream http://127.0.0.1:8000 --port 8001
     python -m bench.proxies shedder --upstream http://127.0.0.1:8001 --port 8002
     python -m bench.proxies shim --client aiohttp --upstream http://127.0.0.1:8000 --port 8003
+
+``--server granian`` serves the same app on granian (a Rust HTTP server for ASGI apps) instead of
+uvicorn + httptools + uvloop: the overhead benchmark's measure of the server under the app.
 """
 
 from __future__ import annotations
@@ -389,6 +392,7 @@ def main() -> None:
     parser.add_argument(
         "--client", choices=["httpx", "upstream-transport", "aiohttp"], default="httpx"
     )
+    parser.add_argument("--server", choices=["uvicorn", "granian"], default="uvicorn")
     parser.add_argument("--kv-threshold", type=float, default=0.8)
     parser.add_argument("--queue-threshold", type=float, default=5)
     parser.add_argument("--interval", type=float, default=0.5)
@@ -403,6 +407,9 @@ def main() -> None:
             queue_threshold=args.queue_threshold,
             interval=args.interval,
         )
+    if args.server == "granian":
+        _serve_granian(app, args.port, lifespan=args.kind == "shedder")
+        return
     uvicorn.run(
         app,
         host="127.0.0.1",
@@ -414,6 +421,27 @@ def main() -> None:
         http="httptools",
         timeout_keep_alive=30,
     )
+
+
+def _serve_granian(app: Any, port: int, *, lifespan: bool) -> None:
+    """The app on granian's embedded server, one worker on this process's uvloop loop: the same
+    process model as uvicorn's (``pip install -e .[bench]``)."""
+    import uvloop
+    from granian.constants import HTTPModes, Interfaces
+    from granian.server.embed import Server
+
+    async def run() -> None:
+        server = Server(
+            app,
+            address="127.0.0.1",
+            port=port,
+            interface=Interfaces.ASGI if lifespan else Interfaces.ASGINL,
+            http=HTTPModes.http1,
+            log_enabled=False,
+        )
+        await server.serve()
+
+    uvloop.run(run())
 
 
 if __name__ == "__main__":
