@@ -146,11 +146,11 @@ class Settings(BaseSettings):
     """vLLM's --api-key, for the sidecar's own calls (discovery, /tokenize); never lent out."""
     drain_timeout: float = Field(default=30.0, ge=0)
     """Seconds in-flight requests get to finish after SIGTERM."""
-    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
-    """Relay worker processes serving the proxy port: 1 (one process, as always), N, or auto (the
-    CPUs the container may use: its cgroup CPU quota rounded up, else its CPU affinity). With
-    more than one, this process keeps admission, the scraper and the metrics port, and the
-    workers ask it before they forward a generation request (docs/relay-workers.md)."""
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """Relay worker processes serving the proxy port: auto (the container's cgroup CPU quota
+    rounded up, capped by its CPU affinity; one process where no quota is set), 1 (one process),
+    or N. With more than one, this process keeps admission, the scraper and the metrics port,
+    and the workers ask it before they forward a generation request (docs/relay-workers.md)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level."""
     log_format: LogFormat = LogFormat.text

@@ -129,7 +129,7 @@ async def _many(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, bytes
 
 
 def test_workers_is_a_flag_and_an_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert Settings().workers == 1  # one process unless asked
+    assert Settings(_cli_parse_args=["--workers", "1"]).workers == 1  # type: ignore[call-arg]
     assert Settings(_cli_parse_args=["--workers", "auto"]).workers == "auto"  # type: ignore[call-arg]
     monkeypatch.setenv("KV_SIDECAR_WORKERS", "3")
     assert Settings().workers == 3
@@ -143,6 +143,11 @@ def test_worker_count_is_a_number_or_the_cpus_the_container_may_use() -> None:
     assert worker_count(4) == 4
     cpus = len(os.sched_getaffinity(0))
     assert 1 <= worker_count("auto") <= cpus
+    # auto follows the cgroup quota, rounded up and capped by the CPUs; no quota: one process
+    assert worker_count("auto", quota=lambda: 2.5, cpus=lambda: 8) == 3
+    assert worker_count("auto", quota=lambda: 4.0, cpus=lambda: 2) == 2
+    assert worker_count("auto", quota=lambda: None, cpus=lambda: 64) == 1
+    assert Settings().workers == "auto"
 
 
 class _Recorder:

@@ -18,8 +18,9 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
-from sidecar.cgroup import cpu_limit_cores
+from sidecar.cgroup import available_cpus, cgroup_quota_cores
 
 log = logging.getLogger("sidecar.owner")
 
@@ -28,17 +29,32 @@ _QUICK_EXIT_SECONDS = 5.0
 _MAX_RESTART_PAUSE = 5.0
 
 
-def worker_count(setting: int | str) -> int:
-    """``--workers``: a number, or ``auto`` (the container's CPU quota rounded up, else the
-    CPUs its affinity allows; at least 1).
+def worker_count(
+    setting: int | str,
+    *,
+    quota: Callable[[], float | None] = cgroup_quota_cores,
+    cpus: Callable[[], int] = available_cpus,
+) -> int:
+    """``--workers``: a number, or ``auto``: the container's CPU quota rounded up (capped by
+    the CPUs its affinity allows), and 1 where no quota is set. A container without a CPU limit
+    gives no bound to size by (its node's CPUs are not the sidecar's), so it stays one process.
 
     >>> worker_count(3)
     3
-    >>> worker_count("auto") >= 1
-    True
+    >>> worker_count("auto", quota=lambda: 3.5, cpus=lambda: 16)
+    4
+    >>> worker_count("auto", quota=lambda: 8.0, cpus=lambda: 2)
+    2
+    >>> worker_count("auto", quota=lambda: 0.5, cpus=lambda: 16)
+    1
+    >>> worker_count("auto", quota=lambda: None, cpus=lambda: 64)
+    1
     """
     if setting == "auto":
-        return max(1, math.ceil(cpu_limit_cores()))
+        limit = quota()
+        if limit is None:
+            return 1
+        return max(1, math.ceil(min(limit, float(cpus()))))
     return max(1, int(setting))
 
 
