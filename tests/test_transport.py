@@ -150,14 +150,40 @@ async def test_backpressure_pauses_reading_while_the_consumer_is_slow() -> None:
     async with srv as url, client(max_buffered_bytes=128 * 1024) as c:
         async with c.stream("GET", url + "/big") as resp:
             it = resp.aiter_raw()
-            await it.__anext__()
+            total = len(await it.__anext__())
             await asyncio.sleep(0.5)  # a client that does not read
             # kernel socket buffers hold a few MiB at most; without backpressure it would be 25
             assert sent < 12 * 1024 * 1024
-            total = 65536
             async for chunk in it:
                 total += len(chunk)
         assert total == 400 * 65536
+
+
+async def test_what_arrived_while_the_consumer_was_busy_comes_as_one_chunk() -> None:
+    events = [b"data: %d\n\n" % k for k in range(5)]
+
+    async def burst(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        w.write(b"%x\r\n%s\r\n" % (len(events[0]), events[0]))
+        await w.drain()
+        await asyncio.sleep(0.2)
+        for event in events[1:]:  # four chunks, each its own write, while the client sleeps
+            w.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await w.drain()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.6)
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    srv = Server(burst)
+    async with srv as url, client() as c:
+        async with c.stream("GET", url + "/sse") as resp:
+            it = resp.aiter_raw()
+            assert await it.__anext__() == events[0]
+            await asyncio.sleep(0.5)  # busy while the other four arrive
+            rest = [chunk async for chunk in it]
+    assert rest == [b"".join(events[1:])]
 
 
 async def test_errors_map_to_httpx_exceptions() -> None:

@@ -275,11 +275,14 @@ class _Connection(asyncio.Protocol):
             raise self._error
 
     async def body(self, read_timeout: float | None) -> AsyncIterator[bytes]:
-        """The response body, chunk by chunk as it arrives."""
+        """The response body as it arrives: what came while the consumer was busy comes as one
+        chunk (as aiohttp's ``iter_any`` does), so a busy relay makes fewer, larger writes."""
         loop = asyncio.get_running_loop()
         while True:
             if self._chunks:
-                chunk = self._chunks.popleft()
+                chunks = self._chunks
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
                 self._buffered -= len(chunk)
                 if self._reading_paused and self._buffered < self._max_buffered // 2:
                     assert self.transport is not None
