@@ -763,6 +763,20 @@ def _err(points: Sequence[dict[str, float]], scale: float = 1.0) -> list[list[fl
     ]
 
 
+def _twin_legend(ax: Any, twin: Any) -> None:
+    """One legend under the panel for the lines of both y axes."""
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = twin.get_legend_handles_labels()
+    ax.legend(
+        lines + more,
+        labels + more_labels,
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.14),
+        ncol=2,
+    )
+
+
 def chart(results: dict[str, Any], fig: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -805,16 +819,7 @@ def chart(results: dict[str, Any], fig: dict[str, Any], path: Path) -> None:
     ax1.set_ylim(bottom=0)
     rps_ax.set_yscale("log")
     rps_ax.set_ylabel("requests/s (dashed)")
-    lines = ax1.get_legend_handles_labels()
-    more = rps_ax.get_legend_handles_labels()
-    ax1.legend(
-        lines[0] + more[0],
-        lines[1] + more[1],
-        fontsize=7,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.14),
-        ncol=2,
-    )
+    _twin_legend(ax1, rps_ax)
     ax1.set_title("CPU per request against connections")
     # 2. prompt length
     per = fig["prompts"]["sidecar"]
@@ -898,16 +903,7 @@ def chart(results: dict[str, Any], fig: dict[str, Any], path: Path) -> None:
     )
     cost_ax.set_ylabel("sidecar CPU with the streams alone (ms per second)")
     cost_ax.set_ylim(bottom=0)
-    lines = ax3.get_legend_handles_labels()
-    more = cost_ax.get_legend_handles_labels()
-    ax3.legend(
-        lines[0] + more[0],
-        lines[1] + more[1],
-        fontsize=7,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.14),
-        ncol=2,
-    )
+    _twin_legend(ax3, cost_ax)
     ax3.set_title("CPU per request against requests in flight")
     figure.suptitle(
         "kv-sidecar (one process) in front of a fast fake vLLM; medians over "
