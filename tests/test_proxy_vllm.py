@@ -131,23 +131,34 @@ def test_queue_policy_burst_has_no_preemptions(
     vllm: VllmInfo, shape: Shape, prompts: list[str], queue_sidecar: SidecarProcess
 ) -> None:
     before = vllm_preemptions(vllm.url)
-    with Sampler(queue_sidecar) as sampler:
-        results = asyncio.run(
-            burst(queue_sidecar.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
-        )
-    assert [r.status for r in results] == [200] * shape.requests, [r.error for r in results]
-    assert all(r.completion_tokens == shape.max_tokens for r in results)
-    assert vllm_preemptions(vllm.url) == before
+
+    def in_flight_samples(sampler: Sampler) -> list[dict[str, float]]:
+        return [
+            s
+            for s in sampler.samples
+            if s["predicted_at_snapshot_blocks"] is not None
+            and s["actual_blocks"] is not None
+            and s["in_flight_at_snapshot"] > 0
+        ]
+
+    # a quiet machine runs the burst in a few seconds: its samples should span several scrapes
+    # (0.5 s); when one burst's did not (the premise of the comparison, not the sidecar's
+    # doing), the same burst runs again, up to three times, and every run must hold
+    for _attempt in range(3):
+        with Sampler(queue_sidecar) as sampler:
+            results = asyncio.run(
+                burst(
+                    queue_sidecar.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name
+                )
+            )
+        assert [r.status for r in results] == [200] * shape.requests, [r.error for r in results]
+        assert all(r.completion_tokens == shape.max_tokens for r in results)
+        assert vllm_preemptions(vllm.url) == before
+        compared = in_flight_samples(sampler)
+        if len(compared) >= 3 and len({s["predicted_at_snapshot_blocks"] for s in compared}) >= 2:
+            break
 
     # predicted vs actual at each scrape: within one block per request in flight
-    compared = [
-        s
-        for s in sampler.samples
-        if s["predicted_at_snapshot_blocks"] is not None
-        and s["actual_blocks"] is not None
-        and s["in_flight_at_snapshot"] > 0
-    ]
-    # a quiet machine runs the burst in a few seconds: a few samples span several scrapes (0.5 s)
     assert len(compared) >= 3, len(compared)
     assert len({s["predicted_at_snapshot_blocks"] for s in compared}) >= 2  # not one scrape
     off = [
