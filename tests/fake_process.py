@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from tests.fake_vllm import FakeServer
+from harness.fake_vllm import FakeServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@
 - :class:`ThreadedSidecar`: the real sidecar (``Sidecar`` with its proxy and ops apps on
   uvicorn, wired as ``serve()`` wires them) on its own event loop in a thread, so synchronous
   tests (hypothesis, raw sockets) can drive it over real HTTP and still look at its ledger.
-- :class:`ToughFake`: the fake vLLM of ``tests/fake_vllm.py`` with a few more knobs: a firehose
+- :class:`ToughFake`: the fake vLLM of ``harness/fake_vllm.py`` with a few more knobs: a firehose
   route that counts the bytes it manages to send, the peak of concurrent generations, and vLLM's
   ``--api-key`` guard.
 - :func:`raw_http`: one request written byte for byte on a socket.
@@ -34,9 +34,9 @@ from urllib.parse import parse_qs
 
 import httpx
 
+from harness.fake_vllm import FakeVllm, Message, Receive, Scope, Send, bound_socket, respond
 from sidecar.app import Sidecar, _Server, _uvicorn_config
 from sidecar.config import Settings
-from tests.fake_vllm import FakeVllm, Message, Receive, Scope, Send, bound_socket, respond
 
 T = TypeVar("T")
 
@@ -336,7 +336,7 @@ class ToughFake(FakeVllm):
 
 
 def _record(scope: Scope, body: bytes) -> Any:
-    from tests.fake_vllm import Recorded
+    from harness.fake_vllm import Recorded
 
     return Recorded(
         scope["method"],

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
+from harness.fake_vllm import FakeServer, FakeVllm
 from harness.vllm_cpu import ensure_tokenizer_model
 from sidecar.config import Settings
 from sidecar.counting import CountMethod, ModelTokenizer, PromptCounter
 from sidecar.counting.slots import CountingSlots, default_slots
 from sidecar.errors import CountingBusy
-from tests.fake_vllm import FakeServer, FakeVllm
 from tests.test_proxy import Stack, eventually, openai_error, retry_after, run_sidecar
 
 #: Words the generated tokenizer makes one token each, with or without a space before them: a

@@ -30,11 +30,11 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.fake_vllm import FakeServer, write_model_dir
 from harness.vllm_cpu import VllmServer
 from harness.workload import SidecarProcess, make_prompts, metric_value
 from tests.conftest import VllmInfo
 from tests.fake_process import FakeProcess
-from tests.fake_vllm import FakeServer, write_model_dir
 from tests.faultkit import ThreadedSidecar, ToughFake, proc_stats, wait_for
 
 Record = Any  # pytest's record_property fixture
@@ -289,7 +289,7 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
 
 FAULT_MODES = ["hang", "error", "garbage", "no_cache_config"]
 STALE_AFTER = 0.5
-#: The name the fake vLLM serves (``tests/fake_vllm.py``); the real-vLLM tests ask the server.
+#: The name the fake vLLM serves (``harness/fake_vllm.py``); the real-vLLM tests ask the server.
 FAKE_MODEL = "tiny"
 # 7 sequences of 10 + 1000 tokens: 56 blocks of 128, of a budget of floor(63 x 0.95) = 59
 HOG = {

@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.fake_vllm import FakeServer, write_model_dir
 from harness.workload import SidecarProcess
-from tests.fake_vllm import FakeServer, write_model_dir
 from tests.faultkit import ThreadedSidecar, ToughFake, raw_http, wait_for
 
 GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")

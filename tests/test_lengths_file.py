@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.fake_vllm import FakeServer, write_model_dir
 from harness.workload import SidecarProcess, metric_value
 from sidecar.admission import lengths_file
 from sidecar.admission.learner import LengthLearner
-from tests.fake_vllm import FakeServer, write_model_dir
 from tests.faultkit import ToughFake
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.fake_vllm import FakeServer, FakeVllm, count_prompt, write_model_dir
 from harness.workload import SidecarProcess
-from tests.fake_vllm import FakeServer, FakeVllm, count_prompt, write_model_dir
 
 SECRET = "sk-live-0c4e1f9a7b2d4c6e8a0f3b5d7e9c1a2b"
 PROXY_SECRET = "cHJveHktc2VjcmV0LWxvZ3M="

@@ -1,4 +1,4 @@
-"""The proxy port against a fake vLLM that speaks vLLM 0.32's formats (``tests/fake_vllm.py``).
+"""The proxy port against a fake vLLM that speaks vLLM 0.32's formats (``harness/fake_vllm.py``).
 
 Each test runs the real sidecar: ``Sidecar`` with its proxy and ops apps served by
 uvicorn on loopback ports, configured as ``serve()`` configures them, in the test's event loop;
@@ -27,11 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from harness.workload import SidecarProcess
-from sidecar.app import Sidecar, _Server, _uvicorn_config
-from sidecar.config import Settings
-from sidecar.http.types import Message
-from tests.fake_vllm import (
+from harness.fake_vllm import (
     GZIP_BODY,
     FakeServer,
     FakeVllm,
@@ -39,6 +35,10 @@ from tests.fake_vllm import (
     count_prompt,
     write_model_dir,
 )
+from harness.workload import SidecarProcess
+from sidecar.app import Sidecar, _Server, _uvicorn_config
+from sidecar.config import Settings
+from sidecar.http.types import Message
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 # Plain HTTP only: an empty TLS context spares each client loading the CA store (~50 ms).

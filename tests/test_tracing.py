@@ -33,10 +33,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from harness.fake_vllm import FakeServer, FakeVllm, count_prompt, write_model_dir
 from harness.workload import SidecarProcess
 from sidecar.errors import ConfigError
 from sidecar.observability.tracing import exporter_names, from_env
-from tests.fake_vllm import FakeServer, FakeVllm, count_prompt, write_model_dir
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"

@@ -27,6 +27,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
 from harness.workload import SidecarProcess, burst, make_prompts, metric_value, vllm_preemptions
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Outcome
@@ -41,7 +42,6 @@ from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import project_counts
 from sidecar.observability.exporter import Metrics
 from tests.conftest import VllmInfo
-from tests.fake_vllm import FakeServer, FakeVllm, write_model_dir
 from tests.test_admission import snapshot
 
 #: a completions request the fake counts as 3 prompt tokens; with max_tokens 900 it may reach

@@ -46,7 +46,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vllm-0.32.0-cpu"
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm-0.32.0-cpu"
 METRICS_TEXT = (FIXTURES / "metrics-fresh.txt").read_text()
 
 #: A model config vLLM could serve: 2 layers, 2 KV heads, head_dim 64, bf16 (1 KiB per token).
