@@ -67,13 +67,12 @@ from harness.bench_util import (
     load_average,
     machine,
     machine_line,
-    median,
-    percentile,
     progress,
     table,
     update_section,
     write_json,
 )
+from harness.stats import median, percentile
 from harness.tiny_model import WORDS
 from harness.vllm_cpu import SERVED_NAME, VLLM_CPU_VERSION, VllmServer, ensure_model
 from harness.workload import SidecarProcess, make_prompts, metric_value, vllm_preemptions

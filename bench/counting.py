@@ -53,12 +53,12 @@ from harness.bench_util import (
     load_average,
     machine,
     machine_line,
-    percentile,
     progress,
     table,
     update_section,
     write_json,
 )
+from harness.stats import percentile
 from harness.tiny_model import WORDS
 from harness.vllm_cpu import ensure_tokenizer_model, free_port
 from harness.workload import SidecarProcess

@@ -49,12 +49,12 @@ from harness.bench_util import (
     load_average,
     machine,
     machine_line,
-    median,
     progress,
     table,
     update_section,
     write_json,
 )
+from harness.stats import median
 from harness.vllm_cpu import ensure_model, free_port
 from harness.workload import SidecarProcess, metric_value
 

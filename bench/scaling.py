@@ -63,13 +63,12 @@ from harness.bench_util import (
     load_average,
     machine,
     machine_line,
-    median,
-    percentile,
     progress,
     table,
     update_section,
     write_json,
 )
+from harness.stats import median, percentile
 from harness.vllm_cpu import ensure_tokenizer_model
 from harness.workload import SidecarProcess, metric_value
 

