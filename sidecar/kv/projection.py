@@ -22,21 +22,11 @@ than it gets vLLM's own 400 message, without a round trip.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 from sidecar.errors import BadRequest
+from sidecar.kv.blocks import BlockMath
 
-
-class BlockMath(Protocol):
-    """What the projection needs from the KV geometry (``KVGeometry`` or ``UniformBlocks``)."""
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def group_caps(self) -> tuple[int | None, ...]: ...
-
-    def blocks_for_tokens(self, num_tokens: int) -> int: ...
+__all__ = ["BlockMath", "Projection", "project_counts"]
 
 
 @dataclass(frozen=True, slots=True)

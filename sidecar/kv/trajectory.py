@@ -37,27 +37,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from sidecar.kv.blocks import BlockMath
+
 IntArray = npt.NDArray[np.int64]
 #: started (held, left, weight, shared) and not started (prompt, end, weight, shared) columns
 Arrays = tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]
-
-
-class GroupedBlocks(Protocol):
-    """Block math as vLLM's allocator does it: per KV-cache group, ``ceil(tokens / block_size)``
-    pages, capped for a sliding-window group (``None``: no cap)."""
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def group_caps(self) -> tuple[int | None, ...]: ...
-
-    def blocks_for_tokens(self, num_tokens: int) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +64,7 @@ class Trajectory:
         return max(0, self.end - self.generated)
 
 
-def _blocks(tokens: IntArray, blocks: GroupedBlocks) -> IntArray:
+def _blocks(tokens: IntArray, blocks: BlockMath) -> IntArray:
     """Vectorised ``blocks.blocks_for_tokens``."""
     size = blocks.block_size
     pages = np.where(tokens > 0, (tokens + size - 1) // size, 0)
@@ -184,7 +172,7 @@ def _columns(trajectories: Sequence[Trajectory] | Columns) -> Columns:
 
 
 def demand_profile(
-    trajectories: Sequence[Trajectory] | Columns, blocks: GroupedBlocks
+    trajectories: Sequence[Trajectory] | Columns, blocks: BlockMath
 ) -> tuple[IntArray, IntArray]:
     """``(steps, blocks)``: the demand ``U`` at each end of a started sequence and, last, after
     every end (``steps`` -1 stands for "from then on"). Its maximum is :func:`future_peak`.
@@ -195,7 +183,7 @@ def demand_profile(
     return _profile(_columns(trajectories).arrays(), blocks)
 
 
-def _profile(arrays: Arrays, blocks: GroupedBlocks) -> tuple[IntArray, IntArray]:
+def _profile(arrays: Arrays, blocks: BlockMath) -> tuple[IntArray, IntArray]:
     if all(cap is None for cap in blocks.group_caps):
         return _profile_uncapped(arrays, blocks.block_size, len(blocks.group_caps))
     return _profile_matrix(arrays, blocks)
@@ -261,7 +249,7 @@ def _profile_uncapped(arrays: Arrays, size: int, groups: int) -> tuple[IntArray,
     )
 
 
-def _profile_matrix(arrays: Arrays, blocks: GroupedBlocks) -> tuple[IntArray, IntArray]:
+def _profile_matrix(arrays: Arrays, blocks: BlockMath) -> tuple[IntArray, IntArray]:
     held, left, weight, shared, prompt, end, w_weight, w_shared = arrays
     steps = np.unique(left)  # sorted
     # started sequences still running at each step (left >= step), at their size then
@@ -285,7 +273,7 @@ def _profile_matrix(arrays: Arrays, blocks: GroupedBlocks) -> tuple[IntArray, In
     )
 
 
-def future_peak(trajectories: Sequence[Trajectory] | Columns, blocks: GroupedBlocks) -> int:
+def future_peak(trajectories: Sequence[Trajectory] | Columns, blocks: BlockMath) -> int:
     """The most blocks the trajectories can hold at once, now or at any future step."""
     if not trajectories:
         return 0
@@ -300,7 +288,7 @@ def steps_until_fits(
     trajectories: Sequence[Trajectory] | Columns,
     candidate: Sequence[Trajectory] | Columns,
     budget_blocks: int,
-    blocks: GroupedBlocks,
+    blocks: BlockMath,
 ) -> int | None:
     """Decode steps until ``candidate`` (unstarted) fits under ``budget_blocks`` beside the
     others, if it were admitted then: 0 if it fits now, None if it never fits (not even alone).
