@@ -17,6 +17,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
+from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.engine.discovery import EngineConfig
 from sidecar.engine.snapshot import EngineSnapshot
@@ -65,7 +66,7 @@ def loaded_controller() -> AdmissionController:
         p = project_counts(
             (500 + i % 300,), requested_max_tokens=512, n=1, max_model_len=8192, blocks=BLOCKS
         )
-        d = ac.try_admit(p, streamed=True)
+        d = ac.try_admit(Ask(p, streamed=True))
         assert d is not None and d.reservation is not None
         ac.ledger.start(d.reservation)
         ac.ledger.advance(d.reservation, i % 400)
@@ -91,7 +92,7 @@ def bench_decision() -> list[float]:
     def decide() -> None:
         # what the proxy does per request: project, decide, and later release
         p = project_counts((731,), requested_max_tokens=512, n=1, max_model_len=8192, blocks=BLOCKS)
-        d = ac.try_admit(p, streamed=True)
+        d = ac.try_admit(Ask(p, streamed=True))
         assert d is not None and d.reservation is not None
         ac.release(d.reservation)
 
@@ -108,7 +109,7 @@ def bench_decision_near_capacity() -> list[float]:
 
     def decide() -> None:
         p = project_counts((731,), requested_max_tokens=512, n=1, max_model_len=8192, blocks=BLOCKS)
-        d = ac.try_admit(p, streamed=True)  # None: it would queue (not awaited here)
+        d = ac.try_admit(Ask(p, streamed=True))  # None: it would queue (not awaited here)
         if d is not None and d.reservation is not None:
             ac.release(d.reservation)
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Outcome
 from sidecar.engine.snapshot import EngineSnapshot
@@ -102,7 +103,7 @@ def test_expected_reservation_grows_when_the_answer_runs_long() -> None:
 def test_worst_case_admits_until_the_budget_then_rejects() -> None:
     clock = Clock()
     ac = controller(clock, policy="reject")
-    admitted = [ac.try_admit(proj(), streamed=True) for _ in range(8)]
+    admitted = [ac.try_admit(Ask(proj(), streamed=True)) for _ in range(8)]
     assert [d.outcome for d in admitted if d] == [Outcome.ADMIT] * 7 + [Outcome.REJECT]  # 63 // 8
     refused = admitted[-1]
     assert refused is not None and refused.reason == "kv_cache_full"
@@ -115,14 +116,14 @@ def test_future_peak_admits_what_the_sum_of_peaks_would_queue() -> None:
     """Long answers at different stages never all peak at once: the oldest ends first."""
     clock = Clock()
     ac = controller(clock, policy="reject")
-    running = [ac.try_admit(proj(prompt=100, max_tokens=900), streamed=True) for _ in range(7)]
+    running = [ac.try_admit(Ask(proj(prompt=100, max_tokens=900), streamed=True)) for _ in range(7)]
     for k, d in enumerate(running):  # started 100 tokens apart: 600, 500, ... 0 generated
         assert d is not None and d.reservation is not None
         ac.started(d.reservation)
         ac.progressed(d.reservation, 600 - 100 * k)
     assert ac.ledger.reserved_blocks == 7 * 8  # the sum of peaks: full
     assert ac.future_peak_blocks() < 63
-    d = ac.try_admit(proj(prompt=100, max_tokens=900), streamed=True)
+    d = ac.try_admit(Ask(proj(prompt=100, max_tokens=900), streamed=True))
     assert d is not None and d.admitted
     # and what was admitted keeps to the budget whatever happens next
     assert ac.future_peak_blocks() <= ac.budget_blocks()  # type: ignore[operator]
@@ -151,7 +152,7 @@ def test_worst_case_mode_never_exceeds_the_budget_in_a_simulation(
     while pending or running:
         while pending and pending[0][2] <= step:
             prompt, max_tokens, _, n = pending.pop(0)
-            d = ac.try_admit(proj(prompt=prompt, max_tokens=max_tokens, n=n), streamed=True)
+            d = ac.try_admit(Ask(proj(prompt=prompt, max_tokens=max_tokens, n=n), streamed=True))
             if d is not None and d.admitted and d.reservation is not None:
                 ac.started(d.reservation)
                 running.append((d.reservation, d.reservation.projection.max_tokens[0]))
@@ -171,10 +172,10 @@ def test_shared_prompt_blocks_are_counted_once() -> None:
     ac = controller(clock, policy="reject")
     system = block_hashes(list(range(700)), block_size=128)  # the 700-token prompt: 5 blocks
     p = proj(prompt=700, max_tokens=300)  # 6 prompt blocks, 8 at peak
-    alone = [ac.try_admit(p, streamed=True) for _ in range(8)]
+    alone = [ac.try_admit(Ask(p, streamed=True)) for _ in range(8)]
     assert sum(1 for d in alone if d and d.admitted) == 7  # 7 x 8 <= 63
     shared = controller(clock, policy="reject")
-    together = [shared.try_admit(p, streamed=True, prefix=(system,)) for _ in range(25)]
+    together = [shared.try_admit(Ask(p, streamed=True, prefix=(system,))) for _ in range(25)]
     # the first holds 8 blocks, each other 8 - 5 = 3: 8 + 3 x 18 <= 63
     assert sum(1 for d in together if d and d.admitted) == 1 + (63 - 8) // 3
     first = together[0]
@@ -190,7 +191,7 @@ def test_n_sequences_share_their_prompt_blocks() -> None:
     # 512 tokens: 4 full blocks, of which vLLM shares 3 (it recomputes the last token)
     prompt = block_hashes(list(range(512)), block_size=128)
     assert len(prompt) == 3
-    d = ac.try_admit(proj(prompt=512, max_tokens=100, n=4), streamed=True, prefix=(prompt,))
+    d = ac.try_admit(Ask(proj(prompt=512, max_tokens=100, n=4), streamed=True, prefix=(prompt,)))
     assert d is not None and d.admitted
     # 4 sequences of 5 blocks, 3 prompt blocks held once: 5 + 3 x 2
     assert ac.future_peak_blocks() == 11
@@ -204,13 +205,14 @@ def test_headroom_and_external_usage_shrink_the_budget() -> None:
     ac.on_snapshot(snapshot(clock))
     assert ac.budget_blocks() == 31
     assert (
-        sum(1 for _ in range(5) if (d := ac.try_admit(proj(), streamed=True)) and d.admitted) == 3
+        sum(1 for _ in range(5) if (d := ac.try_admit(Ask(proj(), streamed=True))) and d.admitted)
+        == 3
     )
     # traffic that bypasses the sidecar: vLLM holds 40 blocks, the ledger none
     ac2 = controller(clock, policy="reject")
     ac2.on_snapshot(snapshot(clock, used=40))
     assert ac2.committed_blocks() >= 40
-    results = [ac2.try_admit(proj(), streamed=True) for _ in range(4)]
+    results = [ac2.try_admit(Ask(proj(), streamed=True)) for _ in range(4)]
     assert sum(1 for d in results if d and d.admitted) == 2  # (63 - 40) // 8
 
 
@@ -218,28 +220,28 @@ def test_a_request_that_can_never_fit_is_refused_at_once() -> None:
     clock = Clock()
     ac = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.9)
     ac.on_snapshot(snapshot(clock))  # budget 6 blocks
-    d = ac.try_admit(proj(), streamed=True)
+    d = ac.try_admit(Ask(proj(), streamed=True))
     assert d is not None and d.reason == "too_large" and d.retry_after is None
 
 
 async def test_queue_is_fifo_and_admits_on_release() -> None:
     clock = Clock()
     ac = controller(clock, policy="queue", max_queue_wait=5)
-    running = [ac.try_admit(proj(), streamed=True) for _ in range(7)]
+    running = [ac.try_admit(Ask(proj(), streamed=True)) for _ in range(7)]
     assert all(d and d.admitted for d in running)
     big = proj(prompt=500, max_tokens=520)  # 8 blocks
     small = proj(prompt=10, max_tokens=10)  # 1 block
-    assert ac.try_admit(big, streamed=True) is None
+    assert ac.try_admit(Ask(big, streamed=True)) is None
     order: list[str] = []
 
     async def wait(name: str, p: Projection) -> None:
-        d = await ac.wait(p, streamed=True)
+        d = await ac.wait(Ask(p, streamed=True))
         order.append(f"{name}:{d.outcome.value}")
 
     t_big = asyncio.create_task(wait("big", big))
     await asyncio.sleep(0)
     # a small request arriving behind the big one must not overtake it, although 7 blocks are free
-    assert ac.try_admit(small, streamed=True) is None
+    assert ac.try_admit(Ask(small, streamed=True)) is None
     t_small = asyncio.create_task(wait("small", small))
     await asyncio.sleep(0)
     assert ac.queue_depth == 2 and order == []
@@ -255,18 +257,18 @@ async def test_queue_timeout_full_and_disconnect() -> None:
     clock = Clock()
     ac = controller(clock, policy="queue", max_queue_wait=0.05, max_queue_depth=1)
     for _ in range(7):
-        ac.try_admit(proj(), streamed=True)
-    assert ac.try_admit(proj(), streamed=True) is None
-    waiting = asyncio.create_task(ac.wait(proj(), streamed=True))
+        ac.try_admit(Ask(proj(), streamed=True))
+    assert ac.try_admit(Ask(proj(), streamed=True)) is None
+    waiting = asyncio.create_task(ac.wait(Ask(proj(), streamed=True)))
     await asyncio.sleep(0)
-    full = ac.try_admit(proj(), streamed=True)
+    full = ac.try_admit(Ask(proj(), streamed=True))
     assert full is not None and full.reason == "queue_full"
     timed_out = await waiting
     assert timed_out.reason == "queue_timeout" and timed_out.retry_after is not None
     assert ac.queue_depth == 0
     gone = asyncio.Event()
     ac.max_queue_wait = 5
-    task = asyncio.create_task(ac.wait(proj(), streamed=True, cancelled=gone))
+    task = asyncio.create_task(ac.wait(Ask(proj(), streamed=True), gone))
     await asyncio.sleep(0.01)
     gone.set()
     d = await task
@@ -277,20 +279,20 @@ def test_retry_after_falls_back_to_the_release_rate() -> None:
     """Before vLLM has generated anything there is no step time: the recent release rate."""
     clock = Clock()
     ac = controller(clock, policy="reject")
-    decisions = [ac.try_admit(proj(), streamed=True) for _ in range(7)]
+    decisions = [ac.try_admit(Ask(proj(), streamed=True)) for _ in range(7)]
     for d in decisions[:4]:  # 32 blocks freed over 6 s
         clock.now += 2
         assert d is not None and d.reservation is not None
         ac.release(d.reservation)
     ac.on_snapshot(snapshot(clock))
     for _ in range(4):
-        ac.try_admit(proj(), streamed=True)
-    refused = ac.try_admit(proj(), streamed=True)
+        ac.try_admit(Ask(proj(), streamed=True))
+    refused = ac.try_admit(Ask(proj(), streamed=True))
     assert refused is not None and refused.reason == "kv_cache_full"
     # 56 committed + 8 needed - 63 budget = 1 block short, at 32 blocks / 6 s: the 1 s floor
     assert refused.retry_after == pytest.approx(1.0)
     clock.now += 100  # nothing released lately: half the smoothed hold time (EWMA of 2, 4, 6, 8 s)
-    again = ac.try_admit(proj(), streamed=True)
+    again = ac.try_admit(Ask(proj(), streamed=True))
     assert again is not None and again.retry_after == pytest.approx(4.096 / 2)
 
 
@@ -298,7 +300,7 @@ def test_retry_after_is_when_the_trajectories_make_room_and_spreads_a_burst() ->
     clock = Clock()
     ac = controller(clock, policy="reject")
     ac.on_snapshot(snapshot(clock, generated=0, running=1))
-    running = [ac.try_admit(proj(prompt=100, max_tokens=924), streamed=True) for _ in range(7)]
+    running = [ac.try_admit(Ask(proj(prompt=100, max_tokens=924), streamed=True)) for _ in range(7)]
     for d in running:  # 7 blocks each now, 8 at their end in 224 steps
         assert d is not None and d.reservation is not None
         ac.started(d.reservation)
@@ -307,11 +309,11 @@ def test_retry_after_is_when_the_trajectories_make_room_and_spreads_a_burst() ->
     ac.on_snapshot(snapshot(clock, generated=7 * 50, running=7))  # 50 steps a second
     assert ac.pools[0].view.seconds_per_step == pytest.approx(0.02)
     big = proj(prompt=900, max_tokens=124, n=4)  # 32 blocks from its prefill: two never fit
-    first = ac.try_admit(big, streamed=True)
+    first = ac.try_admit(Ask(big, streamed=True))
     assert first is not None and first.reason == "kv_cache_full"
     # when the seven have ended, a little later: 10% and a quarter of a second
     assert first.retry_after == pytest.approx(224 * 0.02 * 1.1 + 0.25)
-    second = ac.try_admit(big, streamed=True)
+    second = ac.try_admit(Ask(big, streamed=True))
     assert second is not None and second.retry_after is not None
     # the first refused one is booked from then on: the next comes back when it has ended
     # (the first was booked at its Retry-After, 259 steps from now, and runs 124 steps)
@@ -334,7 +336,7 @@ def test_retry_after_expects_requests_in_flight_to_end_where_their_class_ends() 
     generated = [0.0]
 
     def refused_after() -> float:
-        running = [ac.try_admit(chat, streamed=True, klass="chat:none") for _ in range(7)]
+        running = [ac.try_admit(Ask(chat, streamed=True, klass="chat:none")) for _ in range(7)]
         for d in running:
             assert d is not None and d.reservation is not None
             ac.started(d.reservation)
@@ -343,7 +345,7 @@ def test_retry_after_expects_requests_in_flight_to_end_where_their_class_ends() 
         generated[0] += 350
         ac.on_snapshot(snapshot(clock, generated=generated[0], running=7))  # 50 steps a second
         # the same request both times: its second refusal replaces its first booking
-        refused = ac.try_admit(proj(prompt=900, max_tokens=124, n=4), streamed=True, key=1)
+        refused = ac.try_admit(Ask(proj(prompt=900, max_tokens=124, n=4), streamed=True, key=1))
         assert refused is not None and refused.reason == "kv_cache_full"
         assert refused.retry_after is not None
         for d in running:
@@ -369,7 +371,7 @@ def test_retry_after_from_every_class_while_a_class_is_cold_and_for_booked_reque
     for n in range(8):  # another class's answers: 40..75, upper quartile 70
         ac.learner.observe("completions:1024", 40 + 5 * n)
     running = [
-        ac.try_admit(proj(prompt=100, max_tokens=None), streamed=True, klass="chat:none")
+        ac.try_admit(Ask(proj(prompt=100, max_tokens=None), streamed=True, klass="chat:none"))
         for _ in range(7)
     ]
     for d in running:
@@ -379,11 +381,11 @@ def test_retry_after_from_every_class_while_a_class_is_cold_and_for_booked_reque
     clock.now += 1.0
     ac.on_snapshot(snapshot(clock, generated=350, running=7))  # 50 steps a second
     big = proj(prompt=900, max_tokens=124, n=4)
-    first = ac.try_admit(big, streamed=True, klass="completions:128", key=1)
+    first = ac.try_admit(Ask(big, streamed=True, klass="completions:128", key=1))
     assert first is not None and first.retry_after is not None
     # the chats (no answers of their own) likely end at 70, 50 steps from now
     assert first.retry_after == pytest.approx(50 * 0.02 * 1.1 + 0.25)
-    second = ac.try_admit(big, streamed=True, klass="completions:128", key=2)
+    second = ac.try_admit(Ask(big, streamed=True, klass="completions:128", key=2))
     assert second is not None and second.retry_after is not None
     # the first, booked at its slot, likely ends 70 steps after it (not 124): the second after
     slot = round(first.retry_after / 0.02)
@@ -397,7 +399,7 @@ def test_a_retry_of_the_same_request_takes_its_own_slot_not_one_behind_it() -> N
     clock = Clock()
     ac = controller(clock, policy="reject")
     ac.on_snapshot(snapshot(clock, generated=0, running=1))
-    running = [ac.try_admit(proj(prompt=100, max_tokens=924), streamed=True) for _ in range(7)]
+    running = [ac.try_admit(Ask(proj(prompt=100, max_tokens=924), streamed=True)) for _ in range(7)]
     for d in running:
         assert d is not None and d.reservation is not None
         ac.started(d.reservation)
@@ -405,17 +407,17 @@ def test_a_retry_of_the_same_request_takes_its_own_slot_not_one_behind_it() -> N
     clock.now += 1.0
     ac.on_snapshot(snapshot(clock, generated=7 * 50, running=7))
     big = proj(prompt=900, max_tokens=124, n=4)
-    first = ac.try_admit(big, streamed=True, key=1)
+    first = ac.try_admit(Ask(big, streamed=True, key=1))
     assert first is not None and first.retry_after is not None
     for _ in range(5):  # it comes back, and is refused again each time
-        again = ac.try_admit(big, streamed=True, key=1)
+        again = ac.try_admit(Ask(big, streamed=True, key=1))
         assert again is not None and again.retry_after == pytest.approx(first.retry_after)
     assert ac.pools[0].retry.bookings == 1
-    other = ac.try_admit(big, streamed=True, key=2)
+    other = ac.try_admit(Ask(big, streamed=True, key=2))
     assert other is not None and other.retry_after is not None
     assert other.retry_after > first.retry_after + 1.0  # behind the first, as before
     # without fingerprints the five retries had pushed each other back
-    anonymous = [ac.try_admit(big, streamed=True) for _ in range(2)]
+    anonymous = [ac.try_admit(Ask(big, streamed=True)) for _ in range(2)]
     assert anonymous[1] is not None and anonymous[0] is not None
     assert anonymous[1].retry_after is not None and anonymous[0].retry_after is not None
     assert anonymous[1].retry_after > anonymous[0].retry_after
@@ -429,15 +431,15 @@ def test_stale_metrics_open_and_closed() -> None:
     ac = controller(clock, policy="reject", stale_after=5)
     ac.on_snapshot(snapshot(clock, used=60))  # vLLM says it is full, then goes quiet
     clock.now += 10
-    d = ac.try_admit(proj(), streamed=True)
+    d = ac.try_admit(Ask(proj(), streamed=True))
     assert d is not None and d.admitted and d.reason == "stale_open"
     # stale means "trust the ledger alone", not "admit everything"
-    results = [ac.try_admit(proj(), streamed=True) for _ in range(7)]
+    results = [ac.try_admit(Ask(proj(), streamed=True)) for _ in range(7)]
     assert sum(1 for r in results if r and r.admitted) == 6  # 7 x 8 blocks <= 63
     assert ac.ledger.reserved_blocks == 56
     closed = controller(clock, policy="reject", stale_after=5, stale_policy="closed")
     clock.now += 10
-    d = closed.try_admit(proj(), streamed=True)
+    d = closed.try_admit(Ask(proj(), streamed=True))
     assert d is not None and d.reason == "stale_closed" and not d.admitted
 
 
@@ -445,7 +447,7 @@ def test_non_streamed_progress_is_estimated_from_vllm_counters() -> None:
     clock = Clock()
     ac = controller(clock)
     ac.on_snapshot(snapshot(clock, generated=1000, running=2))
-    d = ac.try_admit(proj(), streamed=False)
+    d = ac.try_admit(Ask(proj(), streamed=False))
     assert d is not None and d.reservation is not None
     ac.started(d.reservation)  # the proxy starts non-streamed requests as it forwards them
     clock.now += 1
@@ -453,7 +455,7 @@ def test_non_streamed_progress_is_estimated_from_vllm_counters() -> None:
     assert d.reservation.generated == 300
     assert ac.ledger.predicted_blocks == 5  # ceil(571 / 128)
     # one that started half-way through the next interval gets half of its share
-    late = ac.try_admit(proj(), streamed=False)
+    late = ac.try_admit(Ask(proj(), streamed=False))
     assert late is not None and late.reservation is not None
     clock.now += 0.5
     ac.started(late.reservation)
@@ -462,7 +464,7 @@ def test_non_streamed_progress_is_estimated_from_vllm_counters() -> None:
     assert d.reservation.generated == 500
     assert late.reservation.generated == 100
     # a streamed answer is advanced by its own events only (an estimate could run ahead)
-    streamed = ac.try_admit(proj(), streamed=True)
+    streamed = ac.try_admit(Ask(proj(), streamed=True))
     assert streamed is not None and streamed.reservation is not None
     ac.started(streamed.reservation)
     clock.now += 1
@@ -470,6 +472,23 @@ def test_non_streamed_progress_is_estimated_from_vllm_counters() -> None:
     assert streamed.reservation.generated == 0
     ac.progressed(streamed.reservation, 150)
     assert streamed.reservation.generated == 150
+
+
+def test_a_release_with_the_answers_length_teaches_its_class() -> None:
+    """What an answer ran to comes with its release (per sequence: n = 2 answers of 70 each
+    are 140 completion tokens); a release without it (an answer cut short) teaches nothing."""
+    clock = Clock()
+    ac = controller(clock, reservation="expected")
+    for _ in range(ac.learner.min_samples):
+        d = ac.try_admit(Ask(proj(prompt=100, max_tokens=700, n=2), streamed=True, klass="c"))
+        assert d is not None and d.reservation is not None
+        ac.release(d.reservation, 140)
+        ac.release(d.reservation, 9999)  # idempotent: learned once
+        cut = ac.try_admit(Ask(proj(prompt=100), streamed=True, klass="c"))
+        assert cut is not None and cut.reservation is not None
+        ac.release(cut.reservation)
+    assert ac.ends(proj(), "c") == (70,)
+    assert ac.state().expected_output_tokens == {"c": 70}
 
 
 def test_expected_mode_reserves_the_learned_length_per_class() -> None:
@@ -511,9 +530,9 @@ async def test_a_queued_request_is_sized_by_the_learned_length_when_it_starts() 
     """The learned length can drop while a request waits: it is reserved at what it says then."""
     clock = Clock()
     ac = controller(clock, policy="queue", reservation="expected", max_queue_wait=5)
-    running = [ac.try_admit(proj(prompt=500, max_tokens=500), streamed=True) for _ in range(7)]
+    running = [ac.try_admit(Ask(proj(prompt=500, max_tokens=500), streamed=True)) for _ in range(7)]
     assert all(d and d.admitted for d in running)  # 7 x 8 = 56 of 63 blocks, on the prior
-    waiter = asyncio.create_task(ac.wait(proj(), streamed=True))  # 8 blocks on the prior
+    waiter = asyncio.create_task(ac.wait(Ask(proj(), streamed=True)))  # 8 blocks on the prior
     await asyncio.sleep(0)
     assert ac.queue_depth == 1
     for _ in range(ac.learner.min_samples):
@@ -533,9 +552,9 @@ def test_an_estimate_never_makes_a_request_unrunnable() -> None:
     estimated = project_counts(
         (900,), requested_max_tokens=100, n=1, max_model_len=1024, blocks=BLOCKS, exact=False
     )
-    d = ac.try_admit(estimated, streamed=True)
+    d = ac.try_admit(Ask(estimated, streamed=True))
     assert d is not None and d.admitted  # 8 blocks by the estimate: it runs alone
-    d2 = ac.try_admit(estimated, streamed=True)
+    d2 = ac.try_admit(Ask(estimated, streamed=True))
     assert d2 is not None and not d2.admitted
 
 
@@ -589,7 +608,7 @@ def test_each_engine_is_its_own_pool_and_a_request_goes_where_it_fits() -> None:
     assert ac.capacity_blocks == 38 and ac.budget_blocks() == 38
     engines = []
     for _ in range(4):
-        d = ac.try_admit(proj(), streamed=True)
+        d = ac.try_admit(Ask(proj(), streamed=True))
         assert d is not None and d.admitted and d.reservation is not None
         engines.append(d.reservation.engine)
     assert sorted(engines) == ["0", "0", "1", "1"]
@@ -597,10 +616,10 @@ def test_each_engine_is_its_own_pool_and_a_request_goes_where_it_fits() -> None:
     # 16 of 19 in each pool: a 4-block request fits the 6 left in all but in neither pool
     small = proj(prompt=271, max_tokens=200)  # 471 tokens: 4 blocks
     assert small.peak_blocks == 4
-    d = ac.try_admit(small, streamed=True)
+    d = ac.try_admit(Ask(small, streamed=True))
     assert d is not None and not d.admitted
     # a 3-block one fits in either
-    d = ac.try_admit(proj(prompt=271, max_tokens=100), streamed=True)
+    d = ac.try_admit(Ask(proj(prompt=271, max_tokens=100), streamed=True))
     assert d is not None and d.admitted
     state = ac.state()
     assert (state.reserved_blocks, state.in_flight) == (35, 5)
@@ -609,7 +628,7 @@ def test_each_engine_is_its_own_pool_and_a_request_goes_where_it_fits() -> None:
 def test_a_request_larger_than_one_engines_pool_is_too_large() -> None:
     clock = Clock()
     ac = dp_controller(clock)
-    d = ac.try_admit(proj(n=3), streamed=True)  # 3 x 8 blocks > 19, < 38
+    d = ac.try_admit(Ask(proj(n=3), streamed=True))  # 3 x 8 blocks > 19, < 38
     assert d is not None and d.reason.value == "too_large"
     assert "per engine" in d.message
 
@@ -617,24 +636,24 @@ def test_a_request_larger_than_one_engines_pool_is_too_large() -> None:
 def test_a_clients_pin_is_kept_and_an_unpinnable_request_is_held_in_every_pool() -> None:
     clock = Clock()
     ac = dp_controller(clock, policy="reject")
-    pinned = ac.try_admit(proj(), streamed=True, pin="1")
+    pinned = ac.try_admit(Ask(proj(), streamed=True, pin="1"))
     assert pinned is not None and pinned.reservation is not None
     assert pinned.reservation.engine == "1"
     # /v1/responses cannot be pinned: vLLM's coordinator may send it to either engine
-    d = ac.try_admit(proj(), streamed=True, pinnable=False)
+    d = ac.try_admit(Ask(proj(), streamed=True, pinnable=False))
     assert d is not None and d.reservation is not None
     res = d.reservation
     assert len(res.shadows) == 1
     assert sorted(r.engine for r in (res, *res.shadows)) == ["0", "1"]
     assert [len(p.ledger) for p in ac.pools] == [1, 2]
-    again = ac.try_admit(proj(), streamed=True, pin="1")  # 24 > 19 in engine 1
+    again = ac.try_admit(Ask(proj(), streamed=True, pin="1"))  # 24 > 19 in engine 1
     assert again is not None and not again.admitted
-    free = ac.try_admit(proj(), streamed=True)  # goes where there is room
+    free = ac.try_admit(Ask(proj(), streamed=True))  # goes where there is room
     assert free is not None and free.reservation is not None and free.reservation.engine == "0"
     # 16 of 19 in each: an unpinnable one of 3 blocks is held in both, one of 4 in neither
-    d2 = ac.try_admit(proj(prompt=271, max_tokens=200), streamed=True, pinnable=False)
+    d2 = ac.try_admit(Ask(proj(prompt=271, max_tokens=200), streamed=True, pinnable=False))
     assert d2 is not None and not d2.admitted
-    d3 = ac.try_admit(proj(prompt=271, max_tokens=100), streamed=True, pinnable=False)
+    d3 = ac.try_admit(Ask(proj(prompt=271, max_tokens=100), streamed=True, pinnable=False))
     assert d3 is not None and d3.reservation is not None and len(d3.reservation.shadows) == 1
     ac.release(d3.reservation)
     ac.started(res)
@@ -651,8 +670,8 @@ def test_each_engines_usage_counts_against_its_own_pool() -> None:
     ac = dp_controller(clock, policy="reject")
     ac.on_snapshot(dp_snapshot(clock, used=(15, 0)))  # engine 0 busy with bypassing traffic
     for _ in range(2):
-        d = ac.try_admit(proj(), streamed=True)
+        d = ac.try_admit(Ask(proj(), streamed=True))
         assert d is not None and d.reservation is not None and d.reservation.engine == "1"
-    d = ac.try_admit(proj(), streamed=True)
+    d = ac.try_admit(Ask(proj(), streamed=True))
     assert d is not None and not d.admitted
     assert d.retry_after is not None and d.retry_after >= 1.0

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
 from harness.workload import SidecarProcess, burst, make_prompts, metric_value, vllm_preemptions
+from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Outcome
 from sidecar.config import Settings
@@ -154,10 +155,10 @@ class _Recorder:
     """A channel that keeps what it is asked to send."""
 
     def __init__(self) -> None:
-        self.sent: list[tuple[Any, ...]] = []
+        self.sent: list[wire.Message] = []
         self.closed = False
 
-    def send(self, *message: Any) -> None:
+    def send(self, message: wire.Message) -> None:
         self.sent.append(message)
 
 
@@ -182,19 +183,21 @@ def test_progress_is_sent_only_when_the_block_count_may_change() -> None:
         streamed=True,
         admitted_at=0.0,
     )
+    link.gate.granted(res)
     for k in range(1, 301):
         link.gate.started(res)
         link.gate.progressed(res, float(k))
-    res.completion_tokens = 300
-    link.gate.release(res)
-    link.gate.release(res)  # idempotent
-    tags = [m[0] for m in recorder.sent]
-    assert tags.count(wire.STARTED) == 1
+    link.gate.release(res, 300)
+    link.gate.release(res, 300)  # idempotent
+    kinds = [type(m) for m in recorder.sent]
+    assert kinds.count(wire.Started) == 1
     # ceil((100 + k) / 128) blocks after k tokens: 1 from k = 1, then 2, 3, 4 from 29, 157, 285
-    progressed = [m for m in recorder.sent if m[0] == wire.PROGRESSED]
-    assert [m[2] for m in progressed] == [1.0, 29.0, 157.0, 285.0]
-    assert recorder.sent[-1] == (wire.RELEASE, 7, 300)
-    assert tags.count(wire.RELEASE) == 1
+    progressed = [m for m in recorder.sent if isinstance(m, wire.Progressed)]
+    assert [m.generated_per_sequence for m in progressed] == [1.0, 29.0, 157.0, 285.0]
+    assert recorder.sent[-1] == wire.Release(7, 300)
+    assert kinds.count(wire.Release) == 1
+    # the reservation itself is the owner's figures, never written by the gate
+    assert (res.started, res.generated, res.released) == (False, 0.0, False)
 
 
 @contextlib.asynccontextmanager
@@ -254,7 +257,7 @@ async def test_one_owner_admits_for_every_worker_and_frees_a_lost_workers_share(
     assert EIGHT_BLOCKS.peak_blocks == 8
     async with owner_and_links(2) as (admission, links):
         asks = [
-            asyncio.ensure_future(link.gate.wait(EIGHT_BLOCKS, streamed=True))
+            asyncio.ensure_future(link.gate.wait(Ask(EIGHT_BLOCKS, streamed=True)))
             for _ in range(4)
             for link in links
         ]
@@ -276,16 +279,16 @@ async def test_one_owner_admits_for_every_worker_and_frees_a_lost_workers_share(
         mine = next(ask.result() for k, ask in enumerate(asks) if k % 2 != queued % 2)
         assert mine.reservation is not None
         kept.gate.release(mine.reservation)
-        again = await asyncio.wait_for(kept.gate.wait(EIGHT_BLOCKS, streamed=True), 5)
+        again = await asyncio.wait_for(kept.gate.wait(Ask(EIGHT_BLOCKS, streamed=True)), 5)
         assert again.admitted and admission.in_flight == 4
 
 
 async def test_a_client_that_leaves_the_queue_cancels_its_ask_at_the_owner() -> None:
     async with owner_and_links(1) as (admission, (link,)):
-        held = [await link.gate.wait(EIGHT_BLOCKS, streamed=True) for _ in range(7)]
+        held = [await link.gate.wait(Ask(EIGHT_BLOCKS, streamed=True)) for _ in range(7)]
         assert all(d.admitted for d in held) and admission.ledger.reserved_blocks == 56
         gone = asyncio.Event()
-        waiting = asyncio.ensure_future(link.gate.wait(EIGHT_BLOCKS, streamed=True, cancelled=gone))
+        waiting = asyncio.ensure_future(link.gate.wait(Ask(EIGHT_BLOCKS, streamed=True), gone))
         for _ in range(100):
             if admission.queue_depth:
                 break

@@ -33,38 +33,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.admission.ask import Ask, KVState
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.engine_view import EngineView
+from sidecar.admission.fit import (
+    PoolState,
+    budget_blocks,
+    committed_blocks,
+    fits,
+    in_flight_peak,
+    room_blocks,
+)
 from sidecar.admission.learner import LengthLearner
 from sidecar.admission.retry import MIN_RETRY_AFTER, RetryPlanner
 from sidecar.config import Policy, ReservationMode, StalePolicy
 from sidecar.engine.snapshot import EngineSnapshot
+from sidecar.kv.blocks import BlockMath
 from sidecar.kv.ledger import Ledger, Reservation
-from sidecar.kv.prefix import BlockHashes
-from sidecar.kv.projection import BlockMath, Projection
-from sidecar.kv.trajectory import future_peak
+from sidecar.kv.projection import Projection
 
 log = logging.getLogger("sidecar.admission")
-
-
-@dataclass(frozen=True, slots=True)
-class Ask:
-    """What a request asks of the KV cache, before it is placed in a pool."""
-
-    projection: Projection
-    streamed: bool
-    klass: str = ""
-    prefix: tuple[BlockHashes, ...] | None = None
-    pin: str | None = None  # the engine the client chose (its X-data-parallel-rank header)
-    pinnable: bool = True  # its endpoint lets the sidecar choose the engine
-    key: int | None = None  # the request's fingerprint (its body's digest): a retry is known
 
 
 @dataclass(eq=False)
@@ -82,30 +76,6 @@ class _Waiter:
     ask: Ask
     enqueued_at: float
     future: asyncio.Future[Reservation] = field(repr=False)
-
-
-@dataclass(frozen=True, slots=True)
-class KVState:
-    """A consistent view of the figures the exporter and /state report, in blocks."""
-
-    capacity_blocks: int | None
-    budget_blocks: int | None
-    reserved_blocks: int  # the sum of the in-flight requests' reserved peaks
-    future_peak_blocks: int  # the peak over the future of their sum (what admission checks)
-    worst_case_peak_blocks: int  # the same with every request running to max_tokens
-    predicted_blocks: int
-    shared_blocks: int  # prompt blocks running requests share (held once by vLLM)
-    actual_blocks: int | None
-    external_blocks: int
-    committed_blocks: int
-    peak_blocks_in_flight: int
-    peak_blocks_queued: int
-    in_flight: int
-    queue_depth: int
-    snapshot_age: float
-    # the ledger at the instant of the last scrape, to compare with what vLLM reported then
-    predicted_at_snapshot_blocks: int | None
-    in_flight_at_snapshot: int
 
 
 class AdmissionController:
@@ -225,45 +195,30 @@ class AdmissionController:
         snap = self._snapshot
         return snap is None or snap.age(self._clock()) > self.stale_after
 
-    # --- the budget -------------------------------------------------------------------------
+    def _state(self, pool: Pool, stale: bool) -> PoolState:
+        """What the fit test may use of vLLM's figures for ``pool``."""
+        view = pool.view
+        used = view.snapshot.used_blocks if view.snapshot is not None else None
+        return PoolState(view.capacity_blocks, used, view.external_blocks, stale)
 
-    def budget_blocks(self, pool: Pool | None = None) -> int | None:
-        """The blocks admission may promise: in one pool, or (``pool`` None) in all."""
-        if pool is None:
-            budgets = [self.budget_blocks(p) for p in self.pools]
-            return None if None in budgets else sum(b for b in budgets if b is not None)
-        capacity = pool.view.capacity_blocks
-        if capacity is None:
-            return None
-        return math.floor(capacity * (1.0 - self.headroom))
+    # --- the budget, summed over the pools (each pool's peak comes at its own time) -----------
 
-    def future_peak_blocks(self, *extra: Reservation, worst_case: bool = False) -> int:
-        """The most blocks the requests in flight (and ``extra``) can hold at once from now,
-        summed over the pools (each pool's peak comes at its own time: an upper bound)."""
-        return sum(self._future_peak(pool, extra, worst_case=worst_case) for pool in self.pools)
+    def budget_blocks(self) -> int | None:
+        """The blocks admission may promise, in all the pools."""
+        budgets = [budget_blocks(p.view.capacity_blocks, self.headroom) for p in self.pools]
+        return None if None in budgets else sum(b for b in budgets if b is not None)
 
-    @staticmethod
-    def _future_peak(pool: Pool, extra: Sequence[Reservation], *, worst_case: bool = False) -> int:
-        ledger = pool.ledger
-        return future_peak(ledger.trajectories(extra, worst_case=worst_case), ledger.blocks)
+    def future_peak_blocks(self, *, worst_case: bool = False) -> int:
+        """The most blocks the requests in flight can hold at once from now (an upper bound
+        over several pools)."""
+        return sum(in_flight_peak(p.ledger, worst_case=worst_case) for p in self.pools)
 
-    def committed_blocks(self, peak: int | None = None, pool: Pool | None = None) -> int:
-        """Blocks spoken for (``peak``: the future peak, when already computed), in one pool or
-        in all. On stale engine data, the ledger alone (fail-open on the engine, never on the
-        ledger): what vLLM reported long ago no longer means anything."""
-        if pool is None:
-            if len(self.pools) == 1:
-                return self.committed_blocks(peak, self.pools[0])
-            return sum(self.committed_blocks(None, p) for p in self.pools)
-        if peak is None:
-            peak = self._future_peak(pool, ())
-        if self.is_stale():
-            return peak
-        committed = peak + pool.view.external_blocks
-        snap = pool.view.snapshot
-        if snap is not None and snap.used_blocks is not None:
-            committed = max(committed, snap.used_blocks)
-        return committed
+    def committed_blocks(self) -> int:
+        """Blocks spoken for in all the pools (``sidecar.admission.fit.committed_blocks``)."""
+        stale = self.is_stale()
+        return sum(
+            committed_blocks(in_flight_peak(p.ledger), self._state(p, stale)) for p in self.pools
+        )
 
     def ends(self, projection: Projection, klass: str = "") -> tuple[int, ...]:
         """Output tokens to reserve per sequence, per prompt, in the configured mode."""
@@ -271,48 +226,14 @@ class AdmissionController:
             return projection.max_tokens
         return tuple(self.learner.end(klass, m) for m in projection.max_tokens)
 
-    def _fits(self, pool: Pool, candidate: Reservation) -> bool:
-        budget = self.budget_blocks(pool)
-        if budget is None:
-            return True  # nothing known yet (fail-open start-up): vLLM is the only judge
-        ledger = pool.ledger
-        if self.reservation_mode is ReservationMode.worst_case and candidate.projection.exact:
-            # The sum of the reserved peaks bounds the future peak from above (each request's
-            # trajectory never holds more than its peak): when even that fits, the trajectories
-            # need not be laid out. Not in expected mode, where an answer past its expected end
-            # is expected to grow beyond what it reserved.
-            if self._committed_fits(pool, ledger.reserved_blocks, candidate, budget):
-                return True
-        peak = self._future_peak(pool, (candidate,))
-        if not candidate.projection.exact:
-            # an upper-bound estimate must not make a request unrunnable: one over the budget
-            # runs when nothing else does
-            alone = future_peak(ledger.trajectories([candidate], in_flight=False), ledger.blocks)
-            if alone > budget:
-                return len(ledger) == 0 and pool.view.external_blocks == 0
-        return self._committed_fits(pool, peak, candidate, budget, with_candidate=True)
-
-    def _committed_fits(
-        self,
-        pool: Pool,
-        peak: int,
-        candidate: Reservation,
-        budget: int,
-        *,
-        with_candidate: bool = False,
-    ) -> bool:
-        """``peak`` (of the requests in flight, and the candidate's when ``with_candidate``)
-        with what vLLM holds beyond the ledger, and the candidate's prompt beside what vLLM holds
-        now, within the budget."""
-        if not with_candidate:
-            peak += candidate.reserved_blocks
-        if self.is_stale():
-            return peak <= budget
-        committed = peak + pool.view.external_blocks
-        snap = pool.view.snapshot
-        if snap is not None and snap.used_blocks is not None:
-            committed = max(committed, snap.used_blocks + candidate.projection.prompt_blocks)
-        return committed <= budget
+    def _fits(self, pool: Pool, candidate: Reservation, stale: bool) -> bool:
+        return fits(
+            pool.ledger,
+            candidate,
+            self._state(pool, stale),
+            headroom=self.headroom,
+            strict=self.reservation_mode is ReservationMode.worst_case,
+        )
 
     # --- placing ----------------------------------------------------------------------------
 
@@ -325,31 +246,36 @@ class AdmissionController:
             klass=ask.klass,
         )
 
-    def _eligible(self, ask: Ask) -> list[Pool]:
-        """The pools the request may run in: the one its client pinned, else all, the one with
-        the most room first (vLLM's coordinator spreads load the same way)."""
+    def _open(self, ask: Ask) -> list[Pool]:
+        """The pools the request may run in: the one its client pinned, else all."""
         if ask.pin is not None:
             return [p for p in self.pools if p.engine == ask.pin] or self.pools[:1]
-        if len(self.pools) == 1:
-            return self.pools
+        return self.pools
+
+    def _eligible(self, ask: Ask, stale: bool) -> list[Pool]:
+        """:meth:`_open`, the one with the most room first (vLLM's coordinator spreads load the
+        same way)."""
+        if ask.pin is not None or len(self.pools) == 1:
+            return self._open(ask)
         return sorted(
             self.pools,
-            key=lambda p: (self.budget_blocks(p) or 0) - self.committed_blocks(None, p),
+            key=lambda p: room_blocks(p.ledger, self._state(p, stale), headroom=self.headroom),
             reverse=True,
         )
 
     def _place(self, ask: Ask) -> tuple[Pool, Reservation, list[tuple[Pool, Reservation]]] | None:
         """The pool (and candidate) the request fits in now, with its shadows (an unpinnable
         request on several engines must fit in every pool); None when it fits nowhere."""
-        pools = self._eligible(ask)
+        stale = self.is_stale()
+        pools = self._eligible(ask, stale)
         if ask.pin is None and not ask.pinnable and len(pools) > 1:
             placed = [(p, self._candidate(p, ask)) for p in pools]
-            if all(self._fits(p, c) for p, c in placed):
+            if all(self._fits(p, c, stale) for p, c in placed):
                 return placed[0][0], placed[0][1], placed[1:]
             return None
         for pool in pools:
             candidate = self._candidate(pool, ask)
-            if self._fits(pool, candidate):
+            if self._fits(pool, candidate, stale):
                 return pool, candidate, []
         return None
 
@@ -389,17 +315,7 @@ class AdmissionController:
 
     # --- deciding ---------------------------------------------------------------------------
 
-    def try_admit(
-        self,
-        projection: Projection,
-        *,
-        streamed: bool,
-        klass: str = "",
-        prefix: tuple[BlockHashes, ...] | None = None,
-        pin: str | None = None,
-        pinnable: bool = True,
-        key: int | None = None,
-    ) -> Decision | None:
+    def try_admit(self, ask: Ask) -> Decision | None:
         """Decide at once; None means "queue it" (the caller then awaits :meth:`wait`)."""
         if self.draining:
             return self._draining_refusal()
@@ -411,19 +327,19 @@ class AdmissionController:
                 retry_after=MIN_RETRY_AFTER,
                 message="vLLM's metrics are stale; refusing (stale policy closed)",
             )
-        ask = Ask(projection, streamed, klass, prefix, pin, pinnable, key)
         if self.policy is Policy.observe:
             # dry run: account for everything, gate nothing
             placed = None if self._queue else self._place(ask)
             if placed is None:
-                pool = self._eligible(ask)[0]
+                pool = self._eligible(ask, stale)[0]
                 return Decision(
                     Outcome.ADMIT,
                     Reason.OBSERVED,
                     reservation=self._admit(pool, self._candidate(pool, ask), []),
                 )
             return Decision(Outcome.ADMIT, Reason.FITS, reservation=self._admit(*placed, ask.key))
-        budgets = [self.budget_blocks(p) for p in self._eligible(ask)]
+        projection = ask.projection
+        budgets = [budget_blocks(p.view.capacity_blocks, self.headroom) for p in self._open(ask)]
         budget = None if None in budgets else max(b for b in budgets if b is not None)
         if budget is not None and projection.exact and projection.peak_blocks > budget:
             return Decision(
@@ -445,24 +361,12 @@ class AdmissionController:
             return self._refuse(Reason.QUEUE_FULL, "the admission queue is full; retry later", ask)
         return None
 
-    async def wait(
-        self,
-        projection: Projection,
-        *,
-        streamed: bool,
-        cancelled: asyncio.Event | None = None,
-        klass: str = "",
-        prefix: tuple[BlockHashes, ...] | None = None,
-        pin: str | None = None,
-        pinnable: bool = True,
-        key: int | None = None,
-    ) -> Decision:
+    async def wait(self, ask: Ask, cancelled: asyncio.Event | None = None) -> Decision:
         """Queue a request until it fits, its wait runs out, or ``cancelled`` is set."""
         loop = asyncio.get_running_loop()
-        ask = Ask(projection, streamed, klass, prefix, pin, pinnable, key)
         waiter = _Waiter(ask, self._clock(), loop.create_future())
         self._queue.append(waiter)
-        self._queued_peak_blocks += projection.peak_blocks
+        self._queued_peak_blocks += ask.projection.peak_blocks
         watch: asyncio.Task[bool] | None = (
             asyncio.ensure_future(cancelled.wait()) if cancelled is not None else None
         )
@@ -536,14 +440,13 @@ class AdmissionController:
         for shadow in res.shadows:
             self._pool_of(shadow).ledger.advance(shadow, generated_per_sequence)
 
-    def release(self, res: Reservation) -> None:
-        """The request is over (answered, failed or abandoned). Idempotent."""
+    def release(self, res: Reservation, completion_tokens: int | None = None) -> None:
+        """The request is over (answered, failed or abandoned). Idempotent. ``completion_tokens``:
+        the answer's length, when it ended naturally (what the expected-mode learner learns)."""
         if res.released:
             return
-        if res.completion_tokens is not None:
-            self.learner.observe(
-                res.klass, res.completion_tokens // max(res.projection.sequences, 1)
-            )
+        if completion_tokens is not None:
+            self.learner.observe(res.klass, completion_tokens // max(res.projection.sequences, 1))
         for one in (res, *res.shadows):
             pool = self._pool_of(one)
             pool.ledger.release(one)
@@ -556,7 +459,7 @@ class AdmissionController:
     def retry_after(self, ask: Ask) -> float:
         """Seconds until the request would fit, from the trajectories (or, without a measured
         step time, from the recent release rate): the soonest pool's, booked there."""
-        pools = self._eligible(ask)
+        pools = self._eligible(ask, self.is_stale())
         if len(pools) == 1:
             return self._retry_in(pools[0], ask, book=True)
         soonest = min(pools, key=lambda p: self._retry_in(p, ask, book=False))
@@ -568,7 +471,7 @@ class AdmissionController:
         return pool.retry.plan(
             candidate,
             ahead=ahead,
-            budget_blocks=self.budget_blocks(pool),
+            budget_blocks=budget_blocks(pool.view.capacity_blocks, self.headroom),
             external_blocks=pool.view.external_blocks,
             seconds_per_step=pool.view.seconds_per_step,
             fallback=lambda: self._release_rate_estimate(pool, candidate, ahead),
@@ -590,8 +493,8 @@ class AdmissionController:
     def _release_rate_estimate(
         self, pool: Pool, candidate: Reservation, ahead: list[Reservation]
     ) -> float:
-        budget = self.budget_blocks(pool) or 0
-        need = self._future_peak(pool, (*ahead, candidate)) + pool.view.external_blocks
+        budget = budget_blocks(pool.view.capacity_blocks, self.headroom) or 0
+        need = in_flight_peak(pool.ledger, *ahead, candidate) + pool.view.external_blocks
         deficit = max(1, need - budget)
         rate = pool.ledger.freed_blocks_per_second()
         if rate > 0:
@@ -608,16 +511,17 @@ class AdmissionController:
     def state(self) -> KVState:
         """The figures summed over the pools."""
         snap = self._snapshot
+        stale = self.is_stale()
         worst_case = self.reservation_mode is ReservationMode.worst_case
         peak = committed = worst = reserved = predicted = shared = peaks = in_flight = 0
         at_predicted: int | None = 0
         at_in_flight = 0
         for pool in self.pools:
             ledger = pool.ledger
-            pool_peak = self._future_peak(pool, ())
+            pool_peak = in_flight_peak(ledger)
             peak += pool_peak
-            worst += pool_peak if worst_case else self._future_peak(pool, (), worst_case=True)
-            committed += self.committed_blocks(pool_peak, pool)
+            worst += pool_peak if worst_case else in_flight_peak(ledger, worst_case=True)
+            committed += committed_blocks(pool_peak, self._state(pool, stale))
             reserved += ledger.reserved_blocks
             predicted += ledger.predicted_blocks
             shared += ledger.shared_blocks_now()
@@ -644,10 +548,17 @@ class AdmissionController:
             peak_blocks_queued=self._queued_peak_blocks,
             in_flight=in_flight,
             queue_depth=len(self._queue),
-            snapshot_age=snap.age(self._clock()) if snap is not None else math.inf,
+            snapshot_age=snap.age(self._clock()) if snap is not None else None,
             predicted_at_snapshot_blocks=at_predicted,
             in_flight_at_snapshot=at_in_flight,
+            preemptions_seen=self.preemptions_seen,
+            expected_output_tokens=self._expected_output_tokens(),
         )
+
+    def _expected_output_tokens(self) -> dict[str, int]:
+        if self.reservation_mode is not ReservationMode.expected:
+            return {}
+        return {k: n for k, n in self.learner.classes().items() if n is not None}
 
     def fail_queue(self) -> None:
         """Wake every waiter (shutdown): they re-check and leave with their refusal."""

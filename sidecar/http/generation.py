@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from sidecar.admission.ask import Ask
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.learner import request_class
 from sidecar.counting import GenerationRequest, counting_view, parse_generation
@@ -144,6 +145,7 @@ class GenerationPath:
         watch = ClientWatch(receive)
         disconnected = watch.gone
         reservation: Reservation | None = None
+        learned: int | None = None  # the answer's length, when it ended naturally
         try:
             t0 = record.count_start = time.perf_counter()
             try:
@@ -182,35 +184,22 @@ class GenerationPath:
                 return
             record.projected_blocks = projection.peak_blocks
             self.metrics.projected(projection, engine.config.bytes_per_block)
-            klass = request_class(
-                endpoint, request.requested_max_tokens, _header(scope, CLASS_HEADER)
-            )
-            prefix = count.prefix
             rank = (_header(scope, DP_RANK_HEADER) or "").strip()
-            pin = rank if rank.isdigit() else None
-            pinnable = endpoint in _PINNABLE
-            key = hash(raw)  # a retry sends the same body: its Retry-After slot is its own
-            record.admit_start = time.perf_counter()
-            decision = self.gate.try_admit(
+            ask = Ask(
                 projection,
                 streamed=request.stream,
-                klass=klass,
-                prefix=prefix,
-                pin=pin,
-                pinnable=pinnable,
-                key=key,
+                klass=request_class(
+                    endpoint, request.requested_max_tokens, _header(scope, CLASS_HEADER)
+                ),
+                prefix=count.prefix,
+                pin=rank if rank.isdigit() else None,
+                pinnable=endpoint in _PINNABLE,
+                key=hash(raw),  # a retry sends the same body: its Retry-After slot is its own
             )
+            record.admit_start = time.perf_counter()
+            decision = self.gate.try_admit(ask)
             if decision is None:  # queue it (with relay workers: ask the owner)
-                decision = await self.gate.wait(
-                    projection,
-                    streamed=request.stream,
-                    cancelled=disconnected,
-                    klass=klass,
-                    prefix=prefix,
-                    pin=pin,
-                    pinnable=pinnable,
-                    key=key,
-                )
+                decision = await self.gate.wait(ask, disconnected)
                 self.metrics.queue_waited(decision.waited_seconds)
             record.admit_end = time.perf_counter()
             # projecting and deciding, the owner's round trip included, the queue wait not
@@ -235,7 +224,7 @@ class GenerationPath:
                 reservation.reserved_blocks,
                 (time.perf_counter() - t0) * 1e6,
             )
-            await self._forward(
+            learned = await self._forward(
                 scope,
                 send,
                 raw_path,
@@ -250,7 +239,7 @@ class GenerationPath:
         finally:
             watch.close()
             if reservation is not None:
-                self.gate.release(reservation)
+                self.gate.release(reservation, learned)
                 self.metrics.answered(time.perf_counter() - t0)
 
     async def _read(self, scope: Scope, receive: Receive) -> bytes | None:
@@ -274,7 +263,9 @@ class GenerationPath:
         watch: ClientWatch,
         record: RequestRecord,
         trace: RequestTrace | None,
-    ) -> None:
+    ) -> int | None:
+        """Send the request to vLLM and relay its answer; returns the answer's length in tokens
+        when it ended naturally (what the expected-mode learner learns from), else None."""
         headers = forward_headers(scope["headers"], drop=_DROP_REQUEST_HEADERS)
         if record.generated_id:  # vLLM takes it as its request id: its lines match the sidecar's
             headers.append((REQUEST_ID_HEADER, record.request_id.encode()))
@@ -301,9 +292,9 @@ class GenerationPath:
                 if trace is not None:
                     trace.upstream_answered(None, exc.kind)
                 await _respond(send, record, refusals.from_error(exc))
-                return
+                return None
         if response is None:
-            return  # the client left before vLLM's answer began: the send was cancelled
+            return None  # the client left before vLLM's answer began: the send was cancelled
         record.status = response.status_code
 
         gate = self.gate
@@ -337,7 +328,8 @@ class GenerationPath:
             self.metrics.completed(tokens)
             # only natural ends teach the expected-mode learner how long answers run
             if completed and response.status_code == 200:
-                reservation.completion_tokens = tokens
+                return tokens
+        return None
 
 
 def _refused(record: RequestRecord, reason: Reason) -> None:

@@ -16,47 +16,30 @@ from typing import Any, Protocol
 
 import httpx
 
+from sidecar.admission.ask import Ask
 from sidecar.admission.decisions import Decision, Reason
 from sidecar.counting import CountedEndpoint, TokenCount
 from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.ledger import Reservation
-from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
 
 
 class Gate(Protocol):
     """Admission: decide, queue, follow progress, release."""
 
-    def try_admit(
-        self,
-        projection: Projection,
-        *,
-        streamed: bool,
-        klass: str = "",
-        prefix: tuple[BlockHashes, ...] | None = None,
-        pin: str | None = None,
-        pinnable: bool = True,
-        key: int | None = None,
-    ) -> Decision | None: ...
+    def try_admit(self, ask: Ask) -> Decision | None:
+        """Decide at once; None means "queue it" (then await :meth:`wait`)."""
+        ...
 
-    async def wait(
-        self,
-        projection: Projection,
-        *,
-        streamed: bool,
-        cancelled: asyncio.Event | None = None,
-        klass: str = "",
-        prefix: tuple[BlockHashes, ...] | None = None,
-        pin: str | None = None,
-        pinnable: bool = True,
-        key: int | None = None,
-    ) -> Decision: ...
+    async def wait(self, ask: Ask, cancelled: asyncio.Event | None = None) -> Decision: ...
 
     def started(self, reservation: Reservation) -> None: ...
 
     def progressed(self, reservation: Reservation, generated_per_sequence: float) -> None: ...
 
-    def release(self, reservation: Reservation) -> None: ...
+    def release(self, reservation: Reservation, completion_tokens: int | None = None) -> None:
+        """The request is over; ``completion_tokens`` when its answer ended naturally."""
+        ...
 
 
 class Counter(Protocol):

@@ -32,8 +32,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from sidecar.kv.blocks import BlockMath
 from sidecar.kv.prefix import BlockHashes
-from sidecar.kv.projection import BlockMath, Projection
+from sidecar.kv.projection import Projection
 from sidecar.kv.trajectory import Columns
 
 _NEVER = math.inf  # the remaining steps of a sequence not started yet: it may start any time
@@ -56,7 +57,6 @@ class Reservation:
     started_at: float = 0.0
     generated: float = 0.0  # tokens generated per sequence so far: the larger of what its
     estimated: float = 0.0  # answer showed and its share of vLLM's generated tokens
-    completion_tokens: int | None = None  # exact, when vLLM's answer reported usage
     released: bool = field(default=False)
     engine: str = ""  # the data-parallel engine (its pool) the request was admitted on
     #: the same request reserved in the other engines' pools, when it cannot be sent to one

@@ -5,8 +5,9 @@
 :meth:`AdmissionController.wait` in a task (``CANCEL`` sets its ``cancelled`` event); the
 decision goes back with the owner's number for the reservation, which ``STARTED``,
 ``PROGRESSED`` and ``RELEASE`` then name. Since every promise of KV blocks is made here, by one
-controller on one event loop, no two workers can promise the same blocks. The workers' metric
-events are recorded on the pod's one registry; their pass-through counts add up into the
+controller on one event loop, no two workers can promise the same blocks. Messages are dispatched
+by their type (``sidecar.http.workers.wire``). The workers' metric events are recorded on the
+pod's one registry; their pass-through counts add up into the
 owner's :class:`~sidecar.http.seams.Traffic` for the drain. When a worker's connection closes
 (it crashed, was killed, or exited), its reservations are released and its queued asks
 cancelled at once.
@@ -20,11 +21,11 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Decision
 from sidecar.config import Settings
@@ -38,19 +39,6 @@ log = logging.getLogger("sidecar.owner")
 
 #: seconds between the owner's checks for a new engine config or a drain to tell the workers
 SYNC_INTERVAL = 0.05
-#: the metric events a worker may send (the MetricsSink's methods and the counter's observer)
-_EVENTS = frozenset(
-    {
-        "counted",
-        "projected",
-        "decision_time",
-        "answered",
-        "refused",
-        "upstream_failed",
-        "completed",
-        "self_checked",
-    }
-)
 
 
 @dataclass(eq=False)
@@ -128,13 +116,13 @@ class AdmissionOwner:
         try:
             while link.index < 0:
                 for message in await link.channel.receive():
-                    if message[0] == wire.HELLO:
-                        link.index, link.pid = message[1], message[2]
+                    if isinstance(message, wire.Hello):
+                        link.index, link.pid = message.index, message.pid
             self.links.add(link)
             log.info("relay worker %d (pid %d) connected", link.index, link.pid)
-            link.channel.send(wire.SETTINGS, self.settings, self.workers)
-            link.channel.send(wire.CONFIG, self._sent_config)
-            link.channel.send(wire.DRAINING, self._sent_draining)
+            link.channel.send(wire.Welcome(self.settings, self.workers))
+            link.channel.send(wire.Config(self._sent_config))
+            link.channel.send(wire.Draining(self._sent_draining))
             while True:
                 for message in await link.channel.receive():
                     self._dispatch(link, message)
@@ -174,72 +162,50 @@ class AdmissionOwner:
     # --- messages ----------------------------------------------------------------------------
 
     def _dispatch(self, link: WorkerLink, message: wire.Message) -> None:
-        tag = message[0]
-        if tag == wire.ADMIT:
-            self._admit(link, *message[1:])
-        elif tag == wire.STARTED:
-            res = link.reservations.get(message[1])
-            if res is not None:
-                self.admission.started(res)
-        elif tag == wire.PROGRESSED:
-            res = link.reservations.get(message[1])
-            if res is not None:
-                self.admission.progressed(res, message[2])
-        elif tag == wire.RELEASE:
-            res = link.reservations.pop(message[1], None)
-            if res is not None:
-                if message[2] is not None:
-                    res.completion_tokens = message[2]
-                self.admission.release(res)
-        elif tag == wire.CANCEL:
-            cancelled = link.asks.get(message[1])
-            if cancelled is not None:
-                cancelled.set()
-        elif tag == wire.REPORT:
-            self._record(link, message[1])
-            link.passthrough_in_flight = message[2]
-            self.traffic.passthrough_in_flight = sum(x.passthrough_in_flight for x in self.links)
-        elif tag == wire.READY:
-            link.ready = True
-            log.info("relay worker %d (pid %d) ready", link.index, link.pid)
-        else:
-            log.warning("relay worker %d: unknown message %r", link.index, tag)
+        admission = self.admission
+        match message:
+            case wire.Admit(ask, request):
+                self._admit(link, ask, request)
+            case wire.Started(res_id):
+                if (res := link.reservations.get(res_id)) is not None:
+                    admission.started(res)
+            case wire.Progressed(res_id, generated):
+                if (res := link.reservations.get(res_id)) is not None:
+                    admission.progressed(res, generated)
+            case wire.Release(res_id, completion_tokens):
+                if (res := link.reservations.pop(res_id, None)) is not None:
+                    admission.release(res, completion_tokens)
+            case wire.Cancel(ask):
+                if (cancelled := link.asks.get(ask)) is not None:
+                    cancelled.set()
+            case wire.Report(events, passthrough):
+                self._record(link, events)
+                link.passthrough_in_flight = passthrough
+                self.traffic.passthrough_in_flight = sum(
+                    x.passthrough_in_flight for x in self.links
+                )
+            case wire.Ready():
+                link.ready = True
+                log.info("relay worker %d (pid %d) ready", link.index, link.pid)
+            case _:
+                log.warning("relay worker %d: unexpected message %r", link.index, message)
 
-    def _admit(self, link: WorkerLink, ask: int, *args: Any) -> None:
-        projection, streamed, klass, prefix, pin, pinnable, key = args
-        decision = self.admission.try_admit(
-            projection,
-            streamed=streamed,
-            klass=klass,
-            prefix=prefix,
-            pin=pin,
-            pinnable=pinnable,
-            key=key,
-        )
+    def _admit(self, link: WorkerLink, ask: int, request: Ask) -> None:
+        decision = self.admission.try_admit(request)
         if decision is not None:
             self._answer(link, ask, decision)
             return
         cancelled = asyncio.Event()
         link.asks[ask] = cancelled
-        task = asyncio.ensure_future(self._wait(link, ask, cancelled, args))
+        task = asyncio.ensure_future(self._wait(link, ask, cancelled, request))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _wait(
-        self, link: WorkerLink, ask: int, cancelled: asyncio.Event, args: tuple[Any, ...]
+        self, link: WorkerLink, ask: int, cancelled: asyncio.Event, request: Ask
     ) -> None:
-        projection, streamed, klass, prefix, pin, pinnable, key = args
         try:
-            decision = await self.admission.wait(
-                projection,
-                streamed=streamed,
-                cancelled=cancelled,
-                klass=klass,
-                prefix=prefix,
-                pin=pin,
-                pinnable=pinnable,
-                key=key,
-            )
+            decision = await self.admission.wait(request, cancelled)
         finally:
             link.asks.pop(ask, None)
         self.metrics.queue_waited(decision.waited_seconds)
@@ -255,30 +221,43 @@ class AdmissionOwner:
             link.next_res += 1
             link.reservations[link.next_res] = res
             shadows = tuple(shadow.engine for shadow in res.shadows)
-            grant = (link.next_res, res.reserved_blocks, res.engine, shadows)
+            grant = wire.Grant(link.next_res, res.reserved_blocks, res.engine, shadows)
         link.channel.send(
-            wire.DECISION,
-            ask,
-            decision.outcome,
-            decision.reason,
-            decision.retry_after,
-            decision.message,
-            decision.waited_seconds,
-            grant,
+            wire.Answer(
+                ask,
+                decision.outcome,
+                decision.reason,
+                decision.retry_after,
+                decision.message,
+                decision.waited_seconds,
+                grant,
+            )
         )
 
-    def _record(self, link: WorkerLink, events: list[tuple[Any, ...]]) -> None:
+    def _record(self, link: WorkerLink, events: list[wire.MetricEvent]) -> None:
         metrics = self.metrics
         for event in events:
-            name = event[0]
-            if name == "decided":
-                outcome, reason, retry_after = event[1:]
-                metrics.decided(Decision(outcome, reason, retry_after=retry_after))
-                self.requests_by_worker[link.index] += 1
-            elif name in _EVENTS:
-                getattr(metrics, name)(*event[1:])
-                if name == "refused":
+            match event:
+                case wire.Counted(count):
+                    metrics.counted(count)
+                case wire.Projected(projection, bytes_per_block):
+                    metrics.projected(projection, bytes_per_block)
+                case wire.DecisionTimed(seconds):
+                    metrics.decision_time(seconds)
+                case wire.Answered(seconds):
+                    metrics.answered(seconds)
+                case wire.Decided(outcome, reason, retry_after):
+                    metrics.decided(Decision(outcome, reason, retry_after=retry_after))
                     self.requests_by_worker[link.index] += 1
+                case wire.Refused(reason, retry_after):
+                    metrics.refused(reason, retry_after)
+                    self.requests_by_worker[link.index] += 1
+                case wire.UpstreamFailed(kind):
+                    metrics.upstream_failed(kind)
+                case wire.Completed(tokens):
+                    metrics.completed(tokens)
+                case wire.SelfChecked(shape, matched):
+                    metrics.self_checked(shape, matched)
 
     # --- what the workers follow ---------------------------------------------------------------
 
@@ -294,12 +273,12 @@ class AdmissionOwner:
         if config is not self._sent_config:
             self._sent_config = config
             for link in self.links:
-                link.channel.send(wire.CONFIG, config)
+                link.channel.send(wire.Config(config))
         draining = self.traffic.draining
         if draining != self._sent_draining:
             self._sent_draining = draining
             for link in self.links:
-                link.channel.send(wire.DRAINING, draining)
+                link.channel.send(wire.Draining(draining))
 
 
 class WorkersCollector(Collector):

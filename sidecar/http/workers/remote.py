@@ -19,8 +19,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from sidecar.admission.ask import Ask
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.retry import MIN_RETRY_AFTER
 from sidecar.config import Settings
@@ -29,7 +31,6 @@ from sidecar.engine.discovery import EngineConfig
 from sidecar.http.seams import Engine, Gate, MetricsSink, Traffic
 from sidecar.http.workers import wire
 from sidecar.kv.ledger import Reservation
-from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
 
 log = logging.getLogger("sidecar.worker")
@@ -53,7 +54,7 @@ class OwnerLink:
         self.metrics = RemoteMetrics(self)
         #: called with each engine config the owner sends (the worker builds its counter)
         self.on_config: Callable[[EngineConfig | None], None] = lambda config: None
-        self._asks: dict[int, tuple[asyncio.Future[Decision], Projection, bool, str]] = {}
+        self._asks: dict[int, tuple[asyncio.Future[Decision], Ask]] = {}
         self._orphans: set[int] = set()  # asks whose waiter left: a grant is released at once
         self._next_ask = 0
         self._reported_passthrough = 0
@@ -61,14 +62,14 @@ class OwnerLink:
 
     async def handshake(self) -> tuple[Settings, int]:
         """Say who we are; the owner answers with the settings and the number of workers."""
-        self.channel.send(wire.HELLO, self.index, os.getpid())
+        self.channel.send(wire.Hello(self.index, os.getpid()))
         await self.channel.drain()
         while True:
             messages = await self.channel.receive()
             for i, message in enumerate(messages):
-                if message[0] == wire.SETTINGS:
+                if isinstance(message, wire.Welcome):
                     self._early = messages[i + 1 :]  # for run(), once the worker is built
-                    return message[1], message[2]
+                    return message.settings, message.workers
 
     async def run(self) -> None:
         """Read the owner's messages until it goes away; then fail what still waits."""
@@ -85,7 +86,7 @@ class OwnerLink:
         finally:
             reporter.cancel()
             self.lost.set()
-            for future, *_ in self._asks.values():
+            for future, _ in self._asks.values():
                 if not future.done():
                     future.set_result(_owner_gone())
             self._asks.clear()
@@ -98,79 +99,60 @@ class OwnerLink:
             self._dispatch(message)
 
     def ready(self) -> None:
-        self.channel.send(wire.READY)
+        self.channel.send(wire.Ready())
 
     # --- from the owner -------------------------------------------------------------------------
 
     def _dispatch(self, message: wire.Message) -> None:
-        tag = message[0]
-        if tag == wire.DECISION:
-            self._decided(*message[1:])
-        elif tag == wire.CONFIG:
-            self.on_config(message[1])
-        elif tag == wire.DRAINING:
-            self.traffic.draining = bool(message[1])
-        else:
-            log.warning("unknown message from the owner: %r", tag)
+        match message:
+            case wire.Answer():
+                self._decided(message)
+            case wire.Config(engine):
+                self.on_config(engine)
+            case wire.Draining(draining):
+                self.traffic.draining = draining
+            case _:
+                log.warning("unexpected message from the owner: %r", message)
 
-    def _decided(
-        self,
-        ask: int,
-        outcome: Outcome,
-        reason: Reason,
-        retry_after: float | None,
-        message: str,
-        waited: float,
-        grant: tuple[int, int, str, tuple[str, ...]] | None,
-    ) -> None:
+    def _decided(self, answer: wire.Answer) -> None:
+        ask, grant = answer.ask, answer.grant
         entry = self._asks.pop(ask, None)
         if entry is None or ask in self._orphans:
             self._orphans.discard(ask)
             if grant is not None:  # admitted for a waiter that has gone: hand it back
-                self.channel.send(wire.RELEASE, grant[0], None)
+                self.channel.send(wire.Release(grant.res))
             return
-        future, projection, streamed, klass = entry
+        future, request = entry
+        if future.done():  # its waiter was cancelled in this very tick
+            if grant is not None:
+                self.channel.send(wire.Release(grant.res))
+            return
         reservation = None
         if grant is not None:
-            res, reserved_blocks, engine, shadows = grant
-            reservation = _local_reservation(
-                res, projection, streamed, klass, reserved_blocks, engine, shadows
-            )
-        if future.done():  # its waiter was cancelled in this very tick
-            if reservation is not None:
-                self.channel.send(wire.RELEASE, reservation.id, None)
-            return
+            reservation = _local_reservation(grant, request)
+            self.gate.granted(reservation)
         future.set_result(
             Decision(
-                outcome,
-                reason,
+                answer.outcome,
+                answer.reason,
                 reservation=reservation,
-                retry_after=retry_after,
-                message=message,
-                waited_seconds=waited,
+                retry_after=answer.retry_after,
+                message=answer.message,
+                waited_seconds=answer.waited_seconds,
             )
         )
 
     # --- to the owner ---------------------------------------------------------------------------
 
-    def ask(
-        self,
-        projection: Projection,
-        streamed: bool,
-        klass: str,
-        prefix: tuple[BlockHashes, ...] | None,
-        pin: str | None,
-        pinnable: bool,
-        key: int | None,
-    ) -> tuple[int, asyncio.Future[Decision]]:
+    def ask(self, request: Ask) -> tuple[int, asyncio.Future[Decision]]:
         self._next_ask += 1
         ask = self._next_ask
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         if self.lost.is_set():
             future.set_result(_owner_gone())
             return ask, future
-        self._asks[ask] = (future, projection, streamed, klass)
-        self.channel.send(wire.ADMIT, ask, projection, streamed, klass, prefix, pin, pinnable, key)
+        self._asks[ask] = (future, request)
+        self.channel.send(wire.Admit(ask, request))
         return ask, future
 
     def cancel(self, ask: int, *, orphan: bool = False) -> None:
@@ -178,7 +160,7 @@ class OwnerLink:
         if ask in self._asks:
             if orphan:
                 self._orphans.add(ask)
-            self.channel.send(wire.CANCEL, ask)
+            self.channel.send(wire.Cancel(ask))
 
     async def _report_forever(self) -> None:
         while True:
@@ -191,7 +173,7 @@ class OwnerLink:
         passthrough = self.traffic.passthrough_in_flight
         if events or passthrough != self._reported_passthrough:
             self._reported_passthrough = passthrough
-            self.channel.send(wire.REPORT, events, passthrough)
+            self.channel.send(wire.Report(events, passthrough))
 
 
 def _owner_gone() -> Decision:
@@ -203,30 +185,34 @@ def _owner_gone() -> Decision:
     )
 
 
-def _local_reservation(
-    res: int,
-    projection: Projection,
-    streamed: bool,
-    klass: str,
-    reserved_blocks: int,
-    engine: str,
-    shadows: tuple[str, ...],
-) -> Reservation:
-    """The worker's copy of the owner's reservation: what the request path reads and reports
-    (its id is the owner's number for it; ``predicted_blocks`` is the block count last sent)."""
+def _local_reservation(grant: wire.Grant, request: Ask) -> Reservation:
+    """The worker's copy of the owner's reservation: what the request path reads (its id is the
+    owner's number for it). Never changed once made: the gate keeps its progress apart."""
+    projection = request.projection
     local = Reservation(
-        id=res,
+        id=grant.res,
         projection=projection,
         ends=projection.max_tokens,
-        reserved_blocks=reserved_blocks,
+        reserved_blocks=grant.reserved_blocks,
         predicted_blocks=0,
-        streamed=streamed,
+        streamed=request.streamed,
         admitted_at=time.monotonic(),
-        klass=klass,
-        engine=engine,
+        klass=request.klass,
+        engine=grant.engine,
     )
-    local.shadows = [dataclasses.replace(local, engine=other, shadows=[]) for other in shadows]
+    local.shadows = [
+        dataclasses.replace(local, engine=other, shadows=[]) for other in grant.shadow_engines
+    ]
     return local
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What the worker has told the owner of one reservation."""
+
+    started: bool = False
+    generated: float = 0.0
+    blocks: int = 0  # the block count last sent
 
 
 class RemoteGate:
@@ -234,18 +220,12 @@ class RemoteGate:
 
     def __init__(self, link: OwnerLink) -> None:
         self.link = link
+        self._held: dict[int, _Progress] = {}  # granted and not yet released, by owner number
 
-    def try_admit(
-        self,
-        projection: Projection,
-        *,
-        streamed: bool,
-        klass: str = "",
-        prefix: tuple[BlockHashes, ...] | None = None,
-        pin: str | None = None,
-        pinnable: bool = True,
-        key: int | None = None,
-    ) -> Decision | None:
+    def granted(self, reservation: Reservation) -> None:
+        self._held[reservation.id] = _Progress()
+
+    def try_admit(self, ask: Ask) -> Decision | None:
         """Only a drain is known here; everything else is the owner's to decide (:meth:`wait`)."""
         if self.link.traffic.draining:
             return Decision(
@@ -256,22 +236,11 @@ class RemoteGate:
             )
         return None
 
-    async def wait(
-        self,
-        projection: Projection,
-        *,
-        streamed: bool,
-        cancelled: asyncio.Event | None = None,
-        klass: str = "",
-        prefix: tuple[BlockHashes, ...] | None = None,
-        pin: str | None = None,
-        pinnable: bool = True,
-        key: int | None = None,
-    ) -> Decision:
+    async def wait(self, ask: Ask, cancelled: asyncio.Event | None = None) -> Decision:
         """Ask the owner and await its decision; a client that leaves cancels the ask (the
         owner's answer still comes, and a grant that crossed the cancel is released by the
         caller as with any admission)."""
-        ask, future = self.link.ask(projection, streamed, klass, prefix, pin, pinnable, key)
+        number, future = self.link.ask(ask)
         watch: asyncio.Future[Any] | None = (
             asyncio.ensure_future(cancelled.wait()) if cancelled is not None else None
         )
@@ -280,7 +249,7 @@ class RemoteGate:
                 waitables: set[asyncio.Future[Any]] = {future, watch}
                 await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
                 if not future.done():
-                    self.link.cancel(ask)
+                    self.link.cancel(number)
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
@@ -288,7 +257,7 @@ class RemoteGate:
                 if granted is not None:
                     self.release(granted)
             else:
-                self.link.cancel(ask, orphan=True)
+                self.link.cancel(number, orphan=True)
                 future.cancel()
             raise
         finally:
@@ -296,32 +265,33 @@ class RemoteGate:
                 watch.cancel()
 
     def started(self, reservation: Reservation) -> None:
-        if reservation.started or reservation.released:
+        held = self._held.get(reservation.id)
+        if held is None or held.started:
             return
-        reservation.started = True
-        self.link.channel.send(wire.STARTED, reservation.id)
+        held.started = True
+        self.link.channel.send(wire.Started(reservation.id))
 
     def progressed(self, reservation: Reservation, generated_per_sequence: float) -> None:
         """Sent only when the request's block count may change (the owner's ledger counts
         blocks): a block of 16 tokens is one message, not sixteen."""
-        if reservation.released or generated_per_sequence <= reservation.generated:
+        held = self._held.get(reservation.id)
+        if held is None or generated_per_sequence <= held.generated:
             return
-        reservation.generated = generated_per_sequence
+        held.generated = generated_per_sequence
         engine = self.link.engine
-        held = (
+        blocks = (
             reservation.projection.blocks_at(int(generated_per_sequence), engine.config.blocks)
             if engine is not None
             else int(generated_per_sequence)
         )
-        if held != reservation.predicted_blocks:
-            reservation.predicted_blocks = held
-            self.link.channel.send(wire.PROGRESSED, reservation.id, generated_per_sequence)
+        if blocks != held.blocks:
+            held.blocks = blocks
+            self.link.channel.send(wire.Progressed(reservation.id, generated_per_sequence))
 
-    def release(self, reservation: Reservation) -> None:
-        if reservation.released:
+    def release(self, reservation: Reservation, completion_tokens: int | None = None) -> None:
+        if self._held.pop(reservation.id, None) is None:
             return
-        reservation.released = True
-        self.link.channel.send(wire.RELEASE, reservation.id, reservation.completion_tokens)
+        self.link.channel.send(wire.Release(reservation.id, completion_tokens))
 
 
 class RemoteMetrics:
@@ -331,43 +301,43 @@ class RemoteMetrics:
 
     def __init__(self, link: OwnerLink) -> None:
         self.link = link
-        self._events: list[tuple[Any, ...]] = []
+        self._events: list[wire.MetricEvent] = []
 
-    def take(self) -> list[tuple[Any, ...]]:
+    def take(self) -> list[wire.MetricEvent]:
         events, self._events = self._events, []
         return events
 
     def counted(self, count: TokenCount) -> None:
         # the block hashes are the ledger's business, sent with ADMIT; not the exporter's
-        self._events.append(("counted", dataclasses.replace(count, prefix=None)))
+        self._events.append(wire.Counted(dataclasses.replace(count, prefix=None)))
 
     def projected(self, projection: Projection, bytes_per_block: int | None) -> None:
-        self._events.append(("projected", projection, bytes_per_block))
+        self._events.append(wire.Projected(projection, bytes_per_block))
 
     def decision_time(self, seconds: float) -> None:
-        self._events.append(("decision_time", seconds))
+        self._events.append(wire.DecisionTimed(seconds))
 
     def queue_waited(self, seconds: float) -> None:
         return None
 
     def answered(self, seconds: float) -> None:
-        self._events.append(("answered", seconds))
+        self._events.append(wire.Answered(seconds))
 
     def decided(self, decision: Decision) -> None:
-        self._events.append(("decided", decision.outcome, decision.reason, decision.retry_after))
+        self._events.append(wire.Decided(decision.outcome, decision.reason, decision.retry_after))
 
     def refused(self, reason: Reason, retry_after: float | None = None) -> None:
-        self._events.append(("refused", reason, retry_after))
+        self._events.append(wire.Refused(reason, retry_after))
 
     def upstream_failed(self, kind: str) -> None:
-        self._events.append(("upstream_failed", kind))
+        self._events.append(wire.UpstreamFailed(kind))
 
     def completed(self, completion_tokens: int) -> None:
-        self._events.append(("completed", completion_tokens))
+        self._events.append(wire.Completed(completion_tokens))
 
     def self_checked(self, shape: PromptShape, matched: bool) -> None:
         """The prompt counter's observer (its checks against vLLM's /tokenize)."""
-        self._events.append(("self_checked", shape, matched))
+        self._events.append(wire.SelfChecked(shape, matched))
 
 
 # checked by mypy: the stand-ins are what the request path and the counter expect

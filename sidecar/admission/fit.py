@@ -1,0 +1,119 @@
+"""The fit test: does a candidate fit in one pool beside the requests in flight? Pure.
+
+Functions of the in-flight set (a :class:`~sidecar.kv.ledger.Ledger`), the candidate (a
+:class:`~sidecar.kv.ledger.Reservation` not in it yet) and the engine's state for that pool
+(:class:`PoolState`, staleness included), as LightLLM's ``_can_add_new_req`` is one function of
+its running batch. No clock, no I/O: the controller builds the :class:`PoolState` and decides
+what to do with the answer.
+
+What is checked (``sidecar.kv.trajectory`` for the peak):
+
+- the **budget**: the pool's capacity less ``headroom``; unknown capacity admits (vLLM alone
+  judges until the first scrape);
+- the **commitment**: the peak over the future of the in-flight trajectories plus the
+  candidate's, plus what vLLM holds beyond the ledger (traffic that bypasses the sidecar), and
+  at least what vLLM holds now plus the candidate's prompt. On stale engine figures only the
+  ledger counts (fail-open on the engine, never on the ledger).
+- in strict (worst-case) mode, the sum of the reserved peaks bounds the future peak from above:
+  when even that fits, the trajectories need not be laid out.
+- an estimated (upper-bound) prompt alone over the budget runs only into an empty pool.
+
+>>> from sidecar.kv.geometry import UniformBlocks
+>>> from sidecar.kv.ledger import Ledger
+>>> from sidecar.kv.projection import project_counts
+>>> ledger = Ledger(UniformBlocks(16))
+>>> ask = project_counts((64,), requested_max_tokens=64, n=1, max_model_len=1024,
+...                      blocks=UniformBlocks(16))
+>>> pool = PoolState(capacity_blocks=10, used_blocks=0, external_blocks=0, stale=False)
+>>> fits(ledger, ledger.candidate(ask, streamed=True), pool, headroom=0.0, strict=True)
+True
+>>> ledger.reserve(ask, streamed=True).reserved_blocks
+8
+>>> fits(ledger, ledger.candidate(ask, streamed=True), pool, headroom=0.0, strict=True)
+False
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sidecar.kv.ledger import Ledger, Reservation
+from sidecar.kv.trajectory import future_peak
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """What vLLM reported for one pool, as admission may use it now."""
+
+    capacity_blocks: int | None  # None: not known yet
+    used_blocks: int | None  # what vLLM holds now (None: not reported)
+    external_blocks: int  # what vLLM holds beyond the ledger's prediction
+    stale: bool  # the figures are too old to mean anything (only the ledger counts)
+
+
+def budget_blocks(capacity_blocks: int | None, headroom: float) -> int | None:
+    """The blocks admission may promise out of ``capacity_blocks``.
+
+    >>> budget_blocks(1000, 0.05), budget_blocks(None, 0.05)
+    (950, None)
+    """
+    if capacity_blocks is None:
+        return None
+    return math.floor(capacity_blocks * (1.0 - headroom))
+
+
+def committed_blocks(peak_blocks: int, pool: PoolState, *, prompt_blocks: int = 0) -> int:
+    """``peak_blocks`` (of the ledger, the candidate's included where it is one) with what vLLM
+    holds beyond the ledger, and at least what vLLM holds now plus ``prompt_blocks`` (a
+    candidate's prompt, which vLLM allocates at once).
+
+    >>> committed_blocks(10, PoolState(100, used_blocks=30, external_blocks=2, stale=False))
+    30
+    >>> committed_blocks(10, PoolState(100, used_blocks=30, external_blocks=2, stale=True))
+    10
+    """
+    if pool.stale:
+        return peak_blocks
+    committed = peak_blocks + pool.external_blocks
+    if pool.used_blocks is not None:
+        committed = max(committed, pool.used_blocks + prompt_blocks)
+    return committed
+
+
+def in_flight_peak(ledger: Ledger, *extra: Reservation, worst_case: bool = False) -> int:
+    """The most blocks the ledger's requests (and ``extra``) can hold at once from now."""
+    return future_peak(ledger.trajectories(extra, worst_case=worst_case), ledger.blocks)
+
+
+def fits(
+    ledger: Ledger, candidate: Reservation, pool: PoolState, *, headroom: float, strict: bool
+) -> bool:
+    """Whether ``candidate`` fits in the pool now (``strict``: worst-case mode, where every
+    request runs to its reserved end and no further)."""
+    budget = budget_blocks(pool.capacity_blocks, headroom)
+    if budget is None:
+        return True  # nothing known yet (fail-open start-up): vLLM is the only judge
+    prompt = candidate.projection.prompt_blocks
+    exact = candidate.projection.exact
+    if strict and exact:
+        # not in expected mode, where an answer past its expected end grows beyond what it
+        # reserved
+        bound = ledger.reserved_blocks + candidate.reserved_blocks
+        if committed_blocks(bound, pool, prompt_blocks=prompt) <= budget:
+            return True
+    if not exact:
+        # an upper-bound estimate must not make a request unrunnable: one over the budget runs
+        # when nothing else does
+        alone = future_peak(ledger.trajectories([candidate], in_flight=False), ledger.blocks)
+        if alone > budget:
+            return len(ledger) == 0 and pool.external_blocks == 0
+    peak = in_flight_peak(ledger, candidate)
+    return committed_blocks(peak, pool, prompt_blocks=prompt) <= budget
+
+
+def room_blocks(ledger: Ledger, pool: PoolState, *, headroom: float) -> int:
+    """The blocks still promisable in the pool (negative when over-committed); where a request
+    is best placed among several pools."""
+    budget = budget_blocks(pool.capacity_blocks, headroom) or 0
+    return budget - committed_blocks(in_flight_peak(ledger), pool)

@@ -1,0 +1,231 @@
+"""The fit test (``sidecar.admission.fit``) as tables of cases: in-flight set, candidate and the
+engine's state in, fits or not out. No controller, no clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from sidecar.admission.fit import (
+    PoolState,
+    budget_blocks,
+    committed_blocks,
+    fits,
+    in_flight_peak,
+    room_blocks,
+)
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.ledger import Ledger, Reservation
+from sidecar.kv.prefix import block_hashes
+from sidecar.kv.projection import Projection, project_counts
+
+BLOCKS = UniformBlocks(16)
+
+
+def proj(prompt: int, max_tokens: int, *, n: int = 1, exact: bool = True) -> Projection:
+    return project_counts(
+        (prompt,),
+        requested_max_tokens=max_tokens,
+        n=n,
+        max_model_len=4096,
+        blocks=BLOCKS,
+        exact=exact,
+    )
+
+
+@dataclass(frozen=True)
+class Running:
+    """A request in flight: prompt, max_tokens, tokens generated so far (None: not started)."""
+
+    prompt: int
+    max_tokens: int
+    generated: int | None = 0
+    prefix: bool = False  # its prompt is the shared one
+
+
+SHARED_PROMPT = list(range(64))  # 3 shareable blocks of 16 (vLLM recomputes the last token)
+
+
+def ledger_of(running: list[Running], *, share_prefixes: bool = True) -> Ledger:
+    ledger = Ledger(BLOCKS, share_prefixes=share_prefixes)
+    for r in running:
+        prefix = (block_hashes(SHARED_PROMPT, block_size=16),) if r.prefix else None
+        res = ledger.reserve(proj(r.prompt, r.max_tokens), streamed=True, prefix=prefix)
+        if r.generated is not None:
+            ledger.start(res)
+            ledger.advance(res, r.generated)
+    return ledger
+
+
+def candidate(ledger: Ledger, prompt: int, max_tokens: int, **kw: object) -> Reservation:
+    prefix = (block_hashes(SHARED_PROMPT, block_size=16),) if kw.pop("prefix", False) else None
+    return ledger.candidate(proj(prompt, max_tokens, **kw), streamed=True, prefix=prefix)  # type: ignore[arg-type]
+
+
+FRESH = PoolState(capacity_blocks=20, used_blocks=0, external_blocks=0, stale=False)
+
+# (what is running, the candidate (prompt, max_tokens), the engine's state, headroom,
+#  strict (worst-case), fits?, why)
+CASES = [
+    ([], (64, 64), FRESH, 0.0, True, True, "an empty pool takes 8 blocks of 20"),
+    ([], (64, 64), PoolState(None, None, 0, False), 0.0, True, True, "unknown capacity admits"),
+    ([], (300, 100), FRESH, 0.0, True, False, "25 blocks never fit in 20"),
+    ([Running(64, 64)], (64, 64), FRESH, 0.0, True, True, "8 + 8 = 16 of 20"),
+    ([Running(64, 64)] * 2, (64, 64), FRESH, 0.0, True, False, "3 x 8 = 24 > 20"),
+    (
+        [Running(64, 64, generated=60)] * 2,
+        (64, 64),
+        PoolState(21, used_blocks=0, external_blocks=0, stale=False),
+        0.0,
+        True,
+        True,
+        "two nearly done: 8 + 8 + 5 as they end (future peak 21, where the peaks sum to 24)",
+    ),
+    (
+        [Running(64, 64, generated=60)] * 2,
+        (64, 64),
+        PoolState(20, used_blocks=0, external_blocks=0, stale=False),
+        0.0,
+        True,
+        False,
+        "the same in 20 blocks: 21 > 20",
+    ),
+    ([Running(64, 64)], (64, 64), FRESH, 0.25, True, False, "headroom 25%: 16 > 15"),
+    (
+        [Running(64, 64)],
+        (64, 64),
+        PoolState(20, used_blocks=0, external_blocks=6, stale=False),
+        0.0,
+        True,
+        False,
+        "6 blocks held beyond the ledger count: 8 + 8 + 6 > 20",
+    ),
+    (
+        [Running(64, 64)],
+        (64, 64),
+        PoolState(20, used_blocks=0, external_blocks=6, stale=True),
+        0.0,
+        True,
+        True,
+        "stale figures: only the ledger counts",
+    ),
+    (
+        [],
+        (64, 64),
+        PoolState(20, used_blocks=17, external_blocks=0, stale=False),
+        0.0,
+        True,
+        False,
+        "vLLM holds 17 now: the prompt's 4 blocks do not fit beside them",
+    ),
+    (
+        [],
+        (64, 64),
+        PoolState(20, used_blocks=16, external_blocks=0, stale=False),
+        0.0,
+        True,
+        True,
+        "vLLM holds 16 now: the prompt's 4 fit",
+    ),
+    (
+        [Running(64, 64, prefix=True)] * 3,
+        (64, 64, "prefix"),
+        PoolState(23, used_blocks=0, external_blocks=0, stale=False),
+        0.0,
+        True,
+        True,
+        "a prompt whose 3 full blocks all four share: 4 x 8 - 3 x 3 = 23",
+    ),
+    (
+        [Running(64, 64)] * 3,
+        (64, 64),
+        PoolState(23, used_blocks=0, external_blocks=0, stale=False),
+        0.0,
+        True,
+        False,
+        "the same prompts not shared: 32 > 23",
+    ),
+    (
+        [Running(64, 64, prefix=True)] * 3,
+        (64, 64, "prefix"),
+        PoolState(22, used_blocks=0, external_blocks=0, stale=False),
+        0.0,
+        True,
+        False,
+        "shared, in 22 blocks: 23 > 22",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("running", "ask", "pool", "headroom", "strict", "expected", "why"),
+    CASES,
+    ids=[case[-1] for case in CASES],
+)
+def test_fits(
+    running: list[Running],
+    ask: tuple[object, ...],
+    pool: PoolState,
+    headroom: float,
+    strict: bool,
+    expected: bool,
+    why: str,
+) -> None:
+    ledger = ledger_of(running)
+    prompt, max_tokens, *shared = ask
+    cand = candidate(ledger, prompt, max_tokens, prefix=bool(shared))  # type: ignore[arg-type]
+    assert fits(ledger, cand, pool, headroom=headroom, strict=strict) is expected, why
+
+
+def test_strict_and_expected_agree_where_the_reserved_peaks_fit() -> None:
+    """The worst-case shortcut (sum of the reserved peaks) never admits what the trajectories
+    refuse: over random in-flight sets, strict's answer equals the trajectory check's."""
+    for n in range(6):
+        ledger = ledger_of([Running(64, 64, generated=10 * k) for k in range(n)])
+        for pool in (FRESH, PoolState(20, 12, 2, False)):
+            cand = candidate(ledger, 64, 64)
+            assert fits(ledger, cand, pool, headroom=0.0, strict=True) == fits(
+                ledger, cand, pool, headroom=0.0, strict=False
+            ), (n, pool)
+
+
+def test_an_estimated_prompt_over_the_budget_runs_only_alone() -> None:
+    empty = Ledger(BLOCKS)
+    big = candidate(empty, 400, 16, exact=False)  # 26 blocks as an upper bound, budget 20
+    assert fits(empty, big, FRESH, headroom=0.0, strict=True)
+    busy = ledger_of([Running(16, 16)])
+    assert not fits(busy, candidate(busy, 400, 16, exact=False), FRESH, headroom=0.0, strict=True)
+    held = PoolState(20, used_blocks=0, external_blocks=1, stale=False)
+    assert not fits(empty, big, held, headroom=0.0, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "headroom", "budget"),
+    [(None, 0.05, None), (100, 0.0, 100), (100, 0.05, 95), (19, 0.05, 18), (0, 0.1, 0)],
+)
+def test_budget(capacity: int | None, headroom: float, budget: int | None) -> None:
+    assert budget_blocks(capacity, headroom) == budget
+
+
+@pytest.mark.parametrize(
+    ("peak", "pool", "prompt", "committed"),
+    [
+        (10, PoolState(100, None, 0, False), 0, 10),
+        (10, PoolState(100, None, 3, False), 0, 13),
+        (10, PoolState(100, 30, 3, False), 0, 30),
+        (10, PoolState(100, 30, 3, False), 5, 35),
+        (40, PoolState(100, 30, 3, False), 5, 43),
+        (10, PoolState(100, 30, 3, True), 5, 10),
+    ],
+)
+def test_committed(peak: int, pool: PoolState, prompt: int, committed: int) -> None:
+    assert committed_blocks(peak, pool, prompt_blocks=prompt) == committed
+
+
+def test_room_is_the_budget_less_what_is_committed() -> None:
+    ledger = ledger_of([Running(64, 64), Running(64, 64, generated=None)])
+    assert in_flight_peak(ledger) == 16
+    assert room_blocks(ledger, FRESH, headroom=0.0) == 4
+    assert room_blocks(ledger, PoolState(20, 18, 0, False), headroom=0.0) == 2
+    assert room_blocks(ledger, PoolState(10, 0, 0, False), headroom=0.0) == -6
