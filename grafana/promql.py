@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sidecar.admission.decisions import REFUSALS
+
 #: The refusals that answer 429 with Retry-After: the client should come back (docs/metrics.md).
-REFUSED_429_REASONS: tuple[str, ...] = (
-    "kv_cache_full",
-    "queue_full",
-    "queue_timeout",
-    "counting_busy",
+#: From the decisions table, so that a new 429 reason reaches the dashboard and the alerts.
+REFUSED_429_REASONS: tuple[str, ...] = tuple(
+    reason.value for reason, refusal in REFUSALS.items() if refusal.status == 429
 )
 
 #: ``reason`` matcher selecting the 429 refusals of ``kv_sidecar_requests_total``.

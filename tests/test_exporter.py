@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.cgroup import cgroup_quota_cores, cpu_limit_cores, parse_cpu_max
 from sidecar.config import ReservationMode
@@ -77,7 +78,7 @@ def test_state_gauges_follow_the_ledger_and_the_engine() -> None:
     p = project_counts((271,), requested_max_tokens=700, n=1, max_model_len=1024, blocks=BLOCKS)
     reservations = []
     for _ in range(3):
-        d = ac.try_admit(p, streamed=True)
+        d = ac.try_admit(Ask(p, streamed=True))
         assert d is not None and d.reservation is not None
         metrics.decided(d)
         ac.ledger.start(d.reservation)
@@ -169,7 +170,7 @@ def test_demand_ratio_counts_what_runs_and_what_waits_over_the_budget() -> None:
         # 271 + 700 tokens: 8 blocks each; 7 fit (56), the 8th would reach 64 > 59
         p = project_counts((271,), requested_max_tokens=700, n=1, max_model_len=1024, blocks=BLOCKS)
         admitted = []
-        while (d := ac.try_admit(p, streamed=True)) is not None:
+        while (d := ac.try_admit(Ask(p, streamed=True))) is not None:
             assert d.reservation is not None
             admitted.append(d.reservation)
         assert len(admitted) == 7
@@ -179,7 +180,7 @@ def test_demand_ratio_counts_what_runs_and_what_waits_over_the_budget() -> None:
 
         assert value("kv_sidecar_kv_demand_ratio") == 56 / 59
         risk_before = value("kv_sidecar_oom_risk_ratio")
-        waiters = [asyncio.ensure_future(ac.wait(p, streamed=True)) for _ in range(15)]
+        waiters = [asyncio.ensure_future(ac.wait(Ask(p, streamed=True))) for _ in range(15)]
         await asyncio.sleep(0)
         assert ac.queue_depth == 15
         assert value("kv_sidecar_kv_demand_ratio") == (56 + 15 * 8) / 59

@@ -15,9 +15,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-from sidecar.admission.controller import KVState
+from sidecar.admission.ask import KVState
 
 
 class Readiness(BaseModel):
@@ -32,29 +32,12 @@ class Readiness(BaseModel):
     last_error: str | None
 
 
-class State(BaseModel):
-    """The ledger, the queue and the engine's view, in KV blocks."""
+@dataclasses.dataclass(frozen=True)
+class State(KVState):
+    """The ledger, the queue and the engine's view, in KV blocks: every field of
+    :class:`~sidecar.admission.ask.KVState`, and the event loop's task count."""
 
-    model_config = ConfigDict(extra="forbid")  # every field of KVState, none forgotten
-
-    capacity_blocks: int | None
-    budget_blocks: int | None
-    reserved_blocks: int
-    future_peak_blocks: int
-    worst_case_peak_blocks: int
-    predicted_blocks: int
-    shared_blocks: int
-    actual_blocks: int | None
-    external_blocks: int
-    committed_blocks: int
-    peak_blocks_in_flight: int
-    peak_blocks_queued: int
-    in_flight: int
-    queue_depth: int
-    snapshot_age: float | None
-    predicted_at_snapshot_blocks: int | None
-    in_flight_at_snapshot: int
-    event_loop_tasks: int
+    event_loop_tasks: int = 0
 
 
 def finite(value: float) -> float | None:
@@ -92,8 +75,8 @@ def build_ops_app(
     @app.get("/state", response_model=State)
     async def kv_state() -> State:
         """The admission state in KV blocks (what the gauges on /metrics are computed from)."""
-        values = dataclasses.asdict(state())
-        values["snapshot_age"] = finite(values["snapshot_age"])
+        kv = state()
+        values = {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv)}
         return State(**values, event_loop_tasks=event_loop_tasks())
 
     return app

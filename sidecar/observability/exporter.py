@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import (
@@ -22,11 +23,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from sidecar.admission.controller import AdmissionController
+from sidecar.admission.ask import KVState
 from sidecar.admission.decisions import DECISION_LABELS, Decision, Outcome, Reason
-from sidecar.config import ReservationMode
 from sidecar.counting import SELF_CHECKED_SHAPES, PromptShape, TokenCount
 from sidecar.engine.discovery import EngineConfig
+from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.projection import Projection
 from sidecar.observability.cpu import CpuLimitCollector
 from sidecar.observability.process_tree import ProcessTreeCollector
@@ -61,7 +62,7 @@ class Metrics:
     def __init__(
         self,
         registry: CollectorRegistry,
-        admission: AdmissionController,
+        admission: AdmissionState,
         *,
         engine: Callable[[], EngineConfig | None],
         vllm_up: Callable[[], bool],
@@ -253,10 +254,157 @@ class Metrics:
         self.collector.on_snapshot(self.relative_error)
 
 
-class StateCollector(Collector):
-    """Yields the state gauges at scrape time from the admission controller and the ledger."""
+class AdmissionState(Protocol):
+    """What the exporter reads of admission: its :class:`KVState`, and vLLM's last snapshot."""
 
-    def __init__(self, admission: AdmissionController, sources: Sources) -> None:
+    def state(self) -> KVState: ...
+
+    @property
+    def snapshot(self) -> EngineSnapshot | None: ...
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _kv(name: str, doc: str, blocks: float | None, bytes_per_block: int | None) -> list[Metric]:
+    """``kv_sidecar_kv_<name>_blocks`` and, when the block's bytes are known, ``_bytes``."""
+    if blocks is None:
+        return []
+    out: list[Metric] = [_gauge(f"kv_{name}_blocks", f"{doc} (blocks).", blocks)]
+    if bytes_per_block is not None:
+        out.append(_gauge(f"kv_{name}_bytes", f"{doc} (bytes).", blocks * bytes_per_block))
+    return out
+
+
+def kv_families(state: KVState, bytes_per_block: int | None) -> list[Metric]:
+    """The KV figures, in blocks and bytes. Predicted and actual are taken at the same instant,
+    the last scrape of vLLM (the live ledger, which counts a streamed request from its first
+    token, is in /state)."""
+    predicted = state.predicted_at_snapshot_blocks
+    error = None
+    if state.actual_blocks is not None and predicted is not None:
+        error = predicted - state.actual_blocks
+    headroom = None
+    if state.budget_blocks is not None:
+        headroom = max(0, state.budget_blocks - state.committed_blocks)
+    figures: tuple[tuple[str, str, float | None], ...] = (
+        ("capacity", "KV cache vLLM can hand out", state.capacity_blocks),
+        (
+            "reserved",
+            "KV promised to requests in flight (the sum of their peaks)",
+            state.reserved_blocks,
+        ),
+        (
+            "future_peak",
+            "Peak over the future of the KV the requests in flight can hold at once (what "
+            "admission checks against the budget)",
+            state.future_peak_blocks,
+        ),
+        (
+            "prefix_shared",
+            "Prompt KV that running requests share and vLLM holds once (counted once)",
+            state.shared_blocks,
+        ),
+        (
+            "predicted_used",
+            "KV the ledger predicts vLLM held at the last scrape",
+            predicted if predicted is not None else state.predicted_blocks,
+        ),
+        ("actual_used", "KV vLLM reports it holds", state.actual_blocks),
+        ("prediction_error", "Predicted minus actual KV at the last scrape", error),
+        ("headroom", "KV still promisable", headroom),
+    )
+    return [m for name, doc, blocks in figures for m in _kv(name, doc, blocks, bytes_per_block)]
+
+
+def ratio_families(state: KVState, exhaustion_seconds: float) -> list[Metric]:
+    """Usage, risk and demand as ratios of the pool (for the endpoint picker, the alerts and the
+    autoscalers), and the exhaustion forecast."""
+    out: list[Metric] = []
+    capacity = state.capacity_blocks
+    if capacity:
+        used = max(state.committed_blocks, state.actual_blocks or 0)
+        out.append(
+            _gauge(
+                "kv_projected_usage_ratio",
+                "Projected KV usage 0..1: max(reserved, actual) over capacity (for the endpoint "
+                "picker).",
+                min(1.0, used / capacity),
+            )
+        )
+        out.append(
+            _gauge(
+                "oom_risk_ratio",
+                "Projected peak KV of everything vLLM runs or will run (the future peak of the "
+                "sidecar's requests in flight, each running to max_tokens, plus what vLLM holds "
+                "for others) over capacity; above 1 vLLM preempts if they all run to max_tokens.",
+                (state.worst_case_peak_blocks + state.external_blocks) / capacity,
+            )
+        )
+        out.append(
+            _gauge(
+                "kv_exhaustion_seconds",
+                "Seconds until vLLM's free KV blocks run out at the current growth rate.",
+                exhaustion_seconds,
+            )
+        )
+    if state.budget_blocks:
+        out.append(
+            _gauge(
+                "kv_demand_ratio",
+                "KV demand in units of the admission budget: what admission counts as spoken "
+                "for (the future peak of the requests in flight plus what vLLM holds for "
+                "others, at least what vLLM holds) plus the projected peak of every request "
+                "waiting in the sidecar's queue, over the budget (capacity less headroom); the "
+                "autoscaling signal.",
+                (state.committed_blocks + state.peak_blocks_queued) / state.budget_blocks,
+            )
+        )
+    if capacity:
+        out.append(
+            _gauge(
+                "queued_demand_ratio",
+                "Projected peak KV of the requests waiting in the sidecar's queue over "
+                "capacity: demand held back, a scale-out signal.",
+                state.peak_blocks_queued / capacity,
+            )
+        )
+    return out
+
+
+def expected_output_tokens(state: KVState) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        f"{PREFIX}_expected_output_tokens",
+        "Output tokens expected mode reserves per sequence for each request class (the learned "
+        "length bound; classes still on the prior are not listed).",
+        labels=["class"],
+    )
+    for klass, length in state.expected_output_tokens.items():
+        family.add_metric([klass], length)
+    return family
+
+
+def vllm_info(info: EngineConfig | None) -> InfoMetricFamily:
+    """``kv_sidecar_vllm_info``: the engine behind the sidecar (empty until discovered)."""
+    prefix_caching = info.prefix_caching if info is not None else None
+    return InfoMetricFamily(
+        f"{PREFIX}_vllm",
+        "The engine behind the sidecar.",
+        value={
+            "model": info.model if info is not None else "",
+            "block_size": str(info.block_size if info is not None else 0),
+            "num_gpu_blocks": str(info.num_gpu_blocks if info is not None else 0),
+            "cache_dtype": info.cache_dtype if info is not None else "",
+            "prefix_caching": "" if prefix_caching is None else str(prefix_caching).lower(),
+        },
+    )
+
+
+class StateCollector(Collector):
+    """Yields the state gauges at scrape time from admission's :class:`KVState`."""
+
+    def __init__(self, admission: AdmissionState, sources: Sources) -> None:
         self.admission = admission
         self.sources = sources
         # (time, vLLM used blocks) per scrape, for the growth rate behind the exhaustion forecast
@@ -289,195 +437,43 @@ class StateCollector(Collector):
         state = self.admission.state()
         src = self.sources
         info = src.engine()
-        bpb = info.bytes_per_block if info is not None else None
-        out: list[Metric] = []
-
-        def kv(name: str, doc: str, blocks: int | float | None) -> None:
-            if blocks is None:
-                return
-            out.append(
-                GaugeMetricFamily(f"{PREFIX}_kv_{name}_blocks", f"{doc} (blocks).", value=blocks)
-            )
-            if bpb is not None:
-                out.append(
-                    GaugeMetricFamily(
-                        f"{PREFIX}_kv_{name}_bytes", f"{doc} (bytes).", value=blocks * bpb
-                    )
-                )
-
-        capacity = state.capacity_blocks
-        kv("capacity", "KV cache vLLM can hand out", capacity)
-        kv(
-            "reserved",
-            "KV promised to requests in flight (the sum of their peaks)",
-            state.reserved_blocks,
+        exhaustion = self.exhaustion_seconds(state.capacity_blocks or 0, state.actual_blocks or 0)
+        age = state.snapshot_age
+        yield from kv_families(state, info.bytes_per_block if info is not None else None)
+        yield from ratio_families(state, exhaustion)
+        yield _gauge(
+            "requests_in_flight", "Admitted generation requests not yet finished.", state.in_flight
         )
-        kv(
-            "future_peak",
-            "Peak over the future of the KV the requests in flight can hold at once (what "
-            "admission checks against the budget)",
-            state.future_peak_blocks,
+        yield _gauge("queue_depth", "Requests waiting in the admission queue.", state.queue_depth)
+        yield expected_output_tokens(state)
+        yield _gauge(
+            "vllm_metrics_age_seconds",
+            "Age of the last good scrape of vLLM's /metrics.",
+            math.inf if age is None else age,
         )
-        kv(
-            "prefix_shared",
-            "Prompt KV that running requests share and vLLM holds once (counted once)",
-            state.shared_blocks,
+        yield _gauge(
+            "vllm_up", "1 when the last scrape of vLLM succeeded.", 1.0 if src.vllm_up() else 0.0
         )
-        # predicted and actual at the same instant, the last scrape of vLLM (the live ledger,
-        # which counts a streamed request from its first token, is in /state)
-        predicted = state.predicted_at_snapshot_blocks
-        kv(
-            "predicted_used",
-            "KV the ledger predicts vLLM held at the last scrape",
-            predicted if predicted is not None else state.predicted_blocks,
+        yield _gauge("ready", "1 while /readyz answers 200.", 1.0 if src.ready() else 0.0)
+        yield CounterMetricFamily(
+            f"{PREFIX}_vllm_scrape_errors",
+            "Failed scrapes of vLLM's /metrics.",
+            value=src.scrape_errors(),
         )
-        kv("actual_used", "KV vLLM reports it holds", state.actual_blocks)
-        if state.actual_blocks is not None and state.predicted_at_snapshot_blocks is not None:
-            # both sides at the instant of the last scrape of vLLM
-            kv(
-                "prediction_error",
-                "Predicted minus actual KV at the last scrape",
-                state.predicted_at_snapshot_blocks - state.actual_blocks,
-            )
-        if state.budget_blocks is not None:
-            kv(
-                "headroom",
-                "KV still promisable",
-                max(0, state.budget_blocks - state.committed_blocks),
-            )
-        if capacity:
-            used = max(state.committed_blocks, state.actual_blocks or 0)
-            out.append(
-                GaugeMetricFamily(
-                    f"{PREFIX}_kv_projected_usage_ratio",
-                    "Projected KV usage 0..1: max(reserved, actual) over capacity (for the "
-                    "endpoint picker).",
-                    value=min(1.0, used / capacity),
-                )
-            )
-            out.append(
-                GaugeMetricFamily(
-                    f"{PREFIX}_oom_risk_ratio",
-                    "Projected peak KV of everything vLLM runs or will run (the future peak of the"
-                    " sidecar's requests in flight, each running to max_tokens, plus what vLLM "
-                    "holds for others) over capacity; above 1 vLLM preempts if they all run to "
-                    "max_tokens.",
-                    value=(state.worst_case_peak_blocks + state.external_blocks) / capacity,
-                )
-            )
-            out.append(
-                GaugeMetricFamily(
-                    f"{PREFIX}_kv_exhaustion_seconds",
-                    "Seconds until vLLM's free KV blocks run out at the current growth rate.",
-                    value=self.exhaustion_seconds(capacity, state.actual_blocks or 0),
-                )
-            )
-        if state.budget_blocks:
-            out.append(
-                GaugeMetricFamily(
-                    f"{PREFIX}_kv_demand_ratio",
-                    "KV demand in units of the admission budget: what admission counts as spoken "
-                    "for (the future peak of the requests in flight plus what vLLM holds for "
-                    "others, at least what vLLM holds) plus the projected peak of every request "
-                    "waiting in the sidecar's queue, over the budget (capacity less headroom); "
-                    "the autoscaling signal.",
-                    value=(state.committed_blocks + state.peak_blocks_queued) / state.budget_blocks,
-                )
-            )
-        if capacity:
-            out.append(
-                GaugeMetricFamily(
-                    f"{PREFIX}_queued_demand_ratio",
-                    "Projected peak KV of the requests waiting in the sidecar's queue over "
-                    "capacity: demand held back, a scale-out signal.",
-                    value=state.peak_blocks_queued / capacity,
-                )
-            )
-        out.append(
-            GaugeMetricFamily(
-                f"{PREFIX}_requests_in_flight",
-                "Admitted generation requests not yet finished.",
-                value=state.in_flight,
-            )
+        yield CounterMetricFamily(
+            f"{PREFIX}_vllm_preemptions",
+            "Preemptions vLLM reported since the sidecar started.",
+            value=state.preemptions_seen,
         )
-        out.append(
-            GaugeMetricFamily(
-                f"{PREFIX}_queue_depth",
-                "Requests waiting in the admission queue.",
-                value=state.queue_depth,
-            )
-        )
-        learned = GaugeMetricFamily(
-            f"{PREFIX}_expected_output_tokens",
-            "Output tokens expected mode reserves per sequence for each request class (the "
-            "learned length bound; classes still on the prior are not listed).",
-            labels=["class"],
-        )
-        if self.admission.reservation_mode is ReservationMode.expected:
-            for klass, length in self.admission.learner.classes().items():
-                if length is not None:
-                    learned.add_metric([klass], length)
-        out.append(learned)
-        out.append(
-            GaugeMetricFamily(
-                f"{PREFIX}_vllm_metrics_age_seconds",
-                "Age of the last good scrape of vLLM's /metrics.",
-                value=state.snapshot_age,
-            )
-        )
-        out.append(
-            GaugeMetricFamily(
-                f"{PREFIX}_vllm_up",
-                "1 when the last scrape of vLLM succeeded.",
-                value=1.0 if src.vllm_up() else 0.0,
-            )
-        )
-        out.append(
-            GaugeMetricFamily(
-                f"{PREFIX}_ready",
-                "1 while /readyz answers 200.",
-                value=1.0 if src.ready() else 0.0,
-            )
-        )
-        out.append(
-            CounterMetricFamily(
-                f"{PREFIX}_vllm_scrape_errors",
-                "Failed scrapes of vLLM's /metrics.",
-                value=src.scrape_errors(),
-            )
-        )
-        out.append(
-            CounterMetricFamily(
-                f"{PREFIX}_vllm_preemptions",
-                "Preemptions vLLM reported since the sidecar started.",
-                value=self.admission.preemptions_seen,
-            )
-        )
-        prefix_caching = info.prefix_caching if info is not None else None
-        out.append(
-            InfoMetricFamily(
-                f"{PREFIX}_vllm",
-                "The engine behind the sidecar.",
-                value={
-                    "model": info.model if info is not None else "",
-                    "block_size": str(info.block_size if info is not None else 0),
-                    "num_gpu_blocks": str(info.num_gpu_blocks if info is not None else 0),
-                    "cache_dtype": info.cache_dtype if info is not None else "",
-                    "prefix_caching": "" if prefix_caching is None else str(prefix_caching).lower(),
-                },
-            )
-        )
-        out.append(
-            InfoMetricFamily(
-                f"{PREFIX}_config", "The sidecar's admission settings.", value=src.config_labels
-            )
+        yield vllm_info(info)
+        yield InfoMetricFamily(
+            f"{PREFIX}_config", "The sidecar's admission settings.", value=src.config_labels
         )
         if info is not None:
-            out.append(vllm_cache_config_info(info))
+            yield vllm_cache_config_info(info)
         snap = self.admission.snapshot
         if snap is not None and snap.lora_info is not None:
-            out.append(vllm_lora_requests_info(*snap.lora_info))
-        return out
+            yield vllm_lora_requests_info(*snap.lora_info)
 
 
 #: vLLM's own name and label names for its KV cache config, which the llm-d endpoint picker's
