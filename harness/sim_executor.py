@@ -1,0 +1,546 @@
+"""A vLLM executor that runs no model: vLLM's own server, scheduler and KV-cache manager on a
+simulated GPU clock.
+
+vLLM resolves ``--distributed-executor-backend harness.sim_executor.SimExecutor`` by its
+qualified name (``Executor.get_class``) inside the engine-core process. Everything above the
+executor stays vLLM's own and runs unchanged: the OpenAI server, the engine core, the scheduler
+with chunked prefill and preemption, the KV-cache manager with prefix caching, the metrics.
+What this class replaces is the worker: it
+
+- reports the KV-cache spec a real model runner would (layers, KV heads per rank, head size,
+  dtype, from vLLM's own ``ModelConfig`` helpers) at the GPU's block size (16 unless
+  ``--block-size`` says otherwise; ``harness.sim_vllm`` passes it because vLLM's CPU platform
+  would pick 128), and the KV memory a GPU worker would find on the named GPU
+  (``harness.sim_cost.memory_budget``); vLLM itself then makes the blocks (honouring
+  ``--num-gpu-blocks-override`` and ``--kv-cache-memory-bytes``);
+- answers each ``execute_model`` with one token per scheduled request whose prefill is done
+  (none for a partial prefill chunk), after sleeping the step's time from the roofline cost
+  model (``harness.sim_cost.step_cost``) in real time;
+- ends a request where the workload says: a request whose sampling ``extra_args`` carry
+  ``sim_output_tokens: L`` (``"vllm_xargs": {"sim_output_tokens": L}`` in the OpenAI request;
+  the sidecar never reads it) gets the EOS token as its L-th token, unless ``ignore_eos`` is set
+  or ``min_tokens`` forbids it; otherwise it runs to ``max_tokens`` (vLLM stops it there).
+
+Settings come from the environment (``harness.sim_vllm`` sets them; the engine core inherits
+them):
+
+    KV_SIDECAR_SIM_GPU       GPU name (harness.gpus), default h100-80gb
+    KV_SIDECAR_SIM_STEP      "roofline" (default): each step sleeps the cost model's time;
+                             "manual": each step waits for a grant on the control channel and
+                             then returns at once; a number: every step takes that many seconds
+    KV_SIDECAR_SIM_CONTROL   host:port for the control channel (any mode; required by manual)
+    KV_SIDECAR_SIM_TOKEN_ID  the token id emitted for every generated token but EOS
+
+The control channel is plain HTTP with JSON answers:
+
+    GET  /state              {"steps", "granted", "waiting", "mode", "gpu", "simulated_seconds",
+                              "last_step": {...}}  (waiting: a batch is scheduled and blocked)
+    POST /step {"n": N, "timeout": S}
+                             grant N steps; answers once they have run (or at the timeout) with
+                             the state and "done": true/false
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+from harness import sim_cost
+from harness.gpus import GpuSpec, gpu
+
+logger = init_logger(__name__)
+
+ENV_GPU = "KV_SIDECAR_SIM_GPU"
+ENV_STEP = "KV_SIDECAR_SIM_STEP"
+ENV_CONTROL = "KV_SIDECAR_SIM_CONTROL"
+ENV_TOKEN = "KV_SIDECAR_SIM_TOKEN_ID"
+#: The key in a request's sampling ``extra_args`` (OpenAI ``vllm_xargs``) giving its length.
+OUTPUT_TOKENS_KEY = "sim_output_tokens"
+DEFAULT_TOKEN_ID = 100
+
+
+@dataclass
+class _Seq:
+    """What the executor remembers of one request (as a model runner keeps its input batch)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    computed_tokens: int
+    target_tokens: int | None
+    eos_token_id: int | None
+    min_tokens: int
+
+
+@dataclass
+class StepRecord:
+    """The last step, as the control channel reports it."""
+
+    requests: int
+    tokens: int
+    sampled: int
+    seconds: float
+    linear_seconds: float
+    attention_seconds: float
+
+
+class StepGate:
+    """Manual stepping: a step runs only when granted; the test side waits for steps to run."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.granted = 0
+        self.steps = 0
+        self.waiting = False
+
+    def acquire(self) -> None:
+        with self._cond:
+            self.waiting = True
+            self._cond.notify_all()
+            while self.granted == 0:
+                self._cond.wait()
+            self.granted -= 1
+            self.waiting = False
+
+    def finished_step(self) -> None:
+        with self._cond:
+            self.steps += 1
+            self._cond.notify_all()
+
+    def grant(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            target = self.steps + self.granted + n
+            self.granted += n
+            self._cond.notify_all()
+            while self.steps < target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+
+class SimEngine:
+    """The simulated model runner: KV spec, memory, and one step's tokens and time."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.cache_config = vllm_config.cache_config
+        self.parallel_config = vllm_config.parallel_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.gpu: GpuSpec = gpu(os.environ.get(ENV_GPU, "h100-80gb"))
+        self.tp = self.parallel_config.tensor_parallel_size
+        hf = self.model_config.hf_text_config.to_dict()
+        self.shape = sim_cost.ModelShape.from_config(hf)
+        self.kv_dtype = kv_cache_dtype_str_to_dtype(
+            self.cache_config.cache_dtype, self.model_config
+        )
+        self.kv_dtype_bytes = self.kv_dtype.itemsize
+        mode = os.environ.get(ENV_STEP, "roofline").strip() or "roofline"
+        self.fixed_step_seconds: float | None = None
+        if mode not in ("roofline", "manual"):
+            self.fixed_step_seconds = float(mode)
+            mode = "fixed"
+        self.mode = mode
+        self.token_id = int(os.environ.get(ENV_TOKEN, DEFAULT_TOKEN_ID))
+        self.gate = StepGate()
+        self.seqs: dict[str, _Seq] = {}
+        self.simulated_seconds = 0.0
+        self.last_step: StepRecord | None = None
+        self._prev_end = 0.0
+        self._prev_cost = 0.0
+        self._control: ThreadingHTTPServer | None = None
+        control = os.environ.get(ENV_CONTROL, "")
+        if control:
+            self._control = _serve_control(self, control)
+        elif mode == "manual":
+            raise ValueError(f"{ENV_STEP}=manual needs {ENV_CONTROL}=host:port")
+
+    # --- startup: what a GPU worker reports ---
+
+    def kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        mc, pc = self.model_config, self.parallel_config
+        block_size = self.cache_config.block_size
+        layers = mc.get_num_layers(pc)
+        head_size = mc.get_head_size()
+        window = mc.get_sliding_window()
+        layer_types = getattr(mc.hf_text_config, "layer_types", None)
+        specs: dict[str, KVCacheSpec] = {}
+        for i in range(layers):
+            name = f"model.layers.{i}.self_attn.attn"
+            if mc.use_mla:
+                specs[name] = MLAAttentionSpec(
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=head_size,
+                    dtype=self.kv_dtype,
+                    cache_dtype_str=self.cache_config.cache_dtype,
+                )
+                continue
+            kv_heads = mc.get_num_kv_heads(pc)
+            sliding = window is not None and (
+                layer_types is None or layer_types[i] == "sliding_attention"
+            )
+            if sliding:
+                assert window is not None
+                specs[name] = SlidingWindowSpec(
+                    block_size=block_size,
+                    num_kv_heads=kv_heads,
+                    head_size=head_size,
+                    dtype=self.kv_dtype,
+                    sliding_window=window,
+                )
+            else:
+                specs[name] = FullAttentionSpec(
+                    block_size=block_size,
+                    num_kv_heads=kv_heads,
+                    head_size=head_size,
+                    dtype=self.kv_dtype,
+                )
+        return specs
+
+    def memory_budget(self) -> sim_cost.MemoryBudget:
+        return sim_cost.memory_budget(
+            self.shape,
+            self.gpu,
+            tp=self.tp,
+            gpu_memory_utilization=self.cache_config.gpu_memory_utilization,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+        )
+
+    def available_kv_cache_memory(self) -> int:
+        if explicit := self.cache_config.kv_cache_memory_bytes:
+            return int(explicit)
+        budget = self.memory_budget()
+        if budget.kv_cache_bytes <= 0:
+            raise ValueError(
+                f"simulated {self.gpu.name}: no memory left for the KV cache "
+                f"(requested {budget.requested_bytes / 2**30:.2f} GiB, weights "
+                f"{budget.weights_bytes / 2**30:.2f} GiB per rank at TP {self.tp})"
+            )
+        logger.info(
+            "simulated %s, TP %d: weights %.2f GiB, activations %.2f GiB, other %.2f GiB; "
+            "available KV cache memory %.2f GiB",
+            self.gpu.name,
+            self.tp,
+            budget.weights_bytes / 2**30,
+            budget.activation_bytes / 2**30,
+            budget.other_bytes / 2**30,
+            budget.kv_cache_bytes / 2**30,
+        )
+        return budget.kv_cache_bytes
+
+    # --- one step ---
+
+    def _track(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.seqs.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            sp = new.sampling_params
+            extra = (sp.extra_args or {}) if sp is not None else {}
+            target = extra.get(OUTPUT_TOKENS_KEY)
+            self.seqs[new.req_id] = _Seq(
+                prompt_tokens=len(new.prompt_token_ids or ()),
+                output_tokens=0,
+                computed_tokens=new.num_computed_tokens,
+                target_tokens=int(target) if target is not None else None,
+                eos_token_id=sp.eos_token_id if sp is not None else None,
+                min_tokens=sp.min_tokens if sp is not None else 0,
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            seq = self.seqs.get(req_id)
+            if seq is None:
+                continue
+            seq.computed_tokens = cached.num_computed_tokens[i]
+            if i < len(cached.num_output_tokens):
+                seq.output_tokens = cached.num_output_tokens[i]
+
+    def step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        arrived = time.monotonic()
+        self._track(so)
+        if not so.num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        if self.mode == "manual":
+            self.gate.acquire()
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        batch: list[sim_cost.SeqWork] = []
+        for req_id in req_ids:
+            n = so.num_scheduled_tokens[req_id]
+            seq = self.seqs[req_id]
+            batch.append(sim_cost.SeqWork(new_tokens=n, context_tokens=seq.computed_tokens))
+            seq.computed_tokens += n
+            if seq.computed_tokens < seq.prompt_tokens + seq.output_tokens:
+                sampled.append([])  # a partial prefill chunk samples nothing
+                continue
+            seq.output_tokens += 1
+            ends = (
+                seq.target_tokens is not None
+                and seq.eos_token_id is not None
+                and seq.output_tokens >= max(seq.target_tokens, seq.min_tokens, 1)
+            )
+            sampled.append([seq.eos_token_id if ends else self.token_id])  # type: ignore[list-item]
+        cost = sim_cost.step_cost(
+            self.shape, self.gpu, batch, tp=self.tp, kv_dtype_bytes=self.kv_dtype_bytes
+        )
+        seconds = self._sleep(arrived, cost.seconds)
+        self.simulated_seconds += seconds
+        self.last_step = StepRecord(
+            requests=len(req_ids),
+            tokens=so.total_num_scheduled_tokens,
+            sampled=sum(len(s) for s in sampled),
+            seconds=seconds,
+            linear_seconds=cost.linear_seconds,
+            attention_seconds=cost.attention_seconds,
+        )
+        if self.mode == "manual":
+            self.gate.finished_step()
+        else:
+            self.gate.steps += 1
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def _sleep(self, arrived: float, model_seconds: float) -> float:
+        """Sleep this step's time; return the simulated seconds it took.
+
+        The engine's own CPU time between two steps (output processing, scheduling) is hidden
+        behind the previous step, up to that step's length, as vLLM's async scheduling hides it
+        on a GPU (the CPU platform turns async scheduling off).
+        """
+        if self.mode == "manual":
+            return model_seconds
+        seconds = model_seconds if self.fixed_step_seconds is None else self.fixed_step_seconds
+        gap = arrived - self._prev_end
+        hidden = min(max(gap, 0.0), self._prev_cost)
+        end = arrived - hidden + seconds
+        now = time.monotonic()
+        if end > now:
+            time.sleep(end - now)
+        self._prev_end = max(end, now)
+        self._prev_cost = seconds
+        return seconds
+
+    def state(self) -> dict[str, Any]:
+        last = self.last_step.__dict__ if self.last_step is not None else None
+        return {
+            "mode": self.mode,
+            "gpu": self.gpu.name,
+            "tensor_parallel_size": self.tp,
+            "steps": self.gate.steps,
+            "granted": self.gate.granted,
+            "waiting": self.gate.waiting,
+            "running": len(self.seqs),
+            "simulated_seconds": self.simulated_seconds,
+            "last_step": last,
+        }
+
+    def close(self) -> None:
+        if self._control is not None:
+            self._control.shutdown()
+            self._control.server_close()
+            self._control = None
+
+
+def _serve_control(engine: SimEngine, address: str) -> ThreadingHTTPServer:
+    host, _, port = address.rpartition(":")
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # quiet
+            pass
+
+        def _answer(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path.rstrip("/") == "/state":
+                self._answer(200, engine.state())
+            else:
+                self._answer(404, {"error": "GET /state or POST /step"})
+
+        def do_POST(self) -> None:
+            if self.path.rstrip("/") != "/step":
+                self._answer(404, {"error": "GET /state or POST /step"})
+                return
+            length = int(self.headers.get("content-length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length) or b"{}")
+                n = int(body.get("n", 1))
+                timeout = float(body.get("timeout", 30.0))
+            except (ValueError, TypeError, AttributeError) as exc:
+                self._answer(400, {"error": f"bad body: {exc}"})
+                return
+            if engine.mode != "manual":
+                self._answer(409, {"error": f"the engine steps by itself (mode {engine.mode})"})
+                return
+            done = engine.gate.grant(n, timeout)
+            self._answer(200, {**engine.state(), "done": done})
+
+    server = ThreadingHTTPServer((host or "127.0.0.1", int(port)), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="sim-control", daemon=True).start()
+    logger.info("simulated engine control channel on http://%s", address)
+    return server
+
+
+class _SimWorker:
+    """The worker RPC surface the engine core calls through ``collective_rpc``."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return self.engine.kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        return self.engine.available_kv_cache_memory()
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["LBNHC"]  # vLLM's NHD, what FlashAttention uses on GPUs
+
+    def set_kv_cache_layout(self, name: str) -> None:
+        pass
+
+    def initialize_from_config(self, kv_cache_configs: list[KVCacheConfig]) -> None:
+        pass  # no tensors: the blocks exist only in the scheduler's KV-cache manager
+
+    def compile_or_warm_up_model(self) -> None:
+        return None
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def get_kv_connector_handshake_metadata(self) -> None:
+        return None
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        pass
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.engine.step(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        raise RuntimeError("the simulated executor samples in execute_model")
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    def check_health(self) -> None:
+        return None
+
+    def synchronize_device(self) -> None:
+        return None
+
+    def reset_mm_cache(self) -> None:
+        return None
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        self.engine.close()
+
+
+class SimExecutor(Executor):
+    """``--distributed-executor-backend harness.sim_executor.SimExecutor``: see the module."""
+
+    uses_ray = False
+    supports_pp = False
+
+    def _init_executor(self) -> None:
+        self.engine = SimEngine(self.vllm_config)
+        self.worker = _SimWorker(self.engine)
+        logger.info(
+            "simulated executor: %s, TP %d, step mode %s, block size %d",
+            self.engine.gpu.name,
+            self.engine.tp,
+            self.engine.mode,
+            self.cache_config.block_size,
+        )
+
+    def collective_rpc(  # type: ignore[override]
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        single_value: bool = False,
+    ) -> Any:
+        kwargs = kwargs or {}
+        try:
+            if isinstance(method, str):
+                fn = getattr(self.worker, method, None)
+                if fn is None:
+                    raise NotImplementedError(f"the simulated executor has no {method!r}")
+                result = fn(*args, **kwargs)
+            else:
+                result = method(self.worker, *args, **kwargs)
+            value = result if single_value else [result]
+        except Exception as exc:
+            if not non_block:
+                raise
+            failed: Future[Any] = Future()
+            failed.set_exception(exc)
+            return failed
+        if not non_block:
+            return value
+        done: Future[Any] = Future()
+        done.set_result(value)
+        return done
+
+    def execute_model(  # type: ignore[override]
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Any:
+        return self.collective_rpc(
+            "execute_model", args=(scheduler_output,), non_block=non_block, single_value=True
+        )
+
+    def sample_tokens(  # type: ignore[override]
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> Any:
+        return self.collective_rpc(
+            "sample_tokens", args=(grammar_output,), non_block=non_block, single_value=True
+        )
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,183 @@
+"""Start vLLM's own OpenAI server on a simulated GPU: no model runs, the clock is a cost model.
+
+    python -m harness.sim_vllm --gpu h100-80gb \\
+        --model-config harness/models/llama-3.1-8b-instruct.json --port 8000 [vllm serve flags]
+
+It runs ``vllm.entrypoints.openai.api_server`` (vLLM's CPU build, from the project's cached
+venv: started with another python, it re-executes itself there) with
+``--distributed-executor-backend harness.sim_executor.SimExecutor`` and the flags that make the
+CPU build behave as vLLM does on the named GPU:
+
+- ``--block-size 16`` (vLLM's CPU platform would pick 128; GPUs default to 16);
+- ``--max-num-batched-tokens`` and ``--max-num-seqs`` at vLLM's defaults for that GPU (the CPU
+  platform has its own, smaller ones);
+- ``--load-format dummy``: there are no weights, and the executor never loads any;
+- a model directory made once per config: the given ``config.json`` beside the project's
+  generated tiny tokenizer (``harness.vllm_cpu.ensure_tokenizer_model``), since only token
+  counts matter; served under the config file's name unless ``--served-model-name`` is given.
+
+Every flag given here wins over those defaults. Its own flags:
+
+    --gpu NAME            h100-80gb, h200-141gb, a100-80gb (harness.gpus)
+    --model-config PATH   a config.json, or a directory holding one
+    --sim-step MODE       roofline (default) | manual | SECONDS (a fixed step time)
+    --sim-control H:P     the executor's control channel (GET /state, POST /step); manual needs it
+
+A request ends where its ``"vllm_xargs": {"sim_output_tokens": L}`` says (EOS as its L-th
+token), else at ``max_tokens``; see ``harness.sim_executor``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from harness.gpus import gpu
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODELS = HERE / "models"
+EXECUTOR = "harness.sim_executor.SimExecutor"
+#: Tokenizer files copied from the tiny model's directory.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def _in_vllm_venv() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _reexec_in_vllm_venv(argv: list[str]) -> None:
+    from harness.vllm_cpu import ensure_vllm
+
+    python = ensure_vllm()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    os.execve(str(python), [str(python), "-m", "harness.sim_vllm", *argv], env)
+
+
+def model_dir(config_path: Path) -> Path:
+    """A directory vLLM can serve: ``config_path``'s config.json and the tiny tokenizer."""
+    from harness.vllm_cpu import CACHE, ensure_tokenizer_model
+
+    if config_path.is_dir():
+        config_path = config_path / "config.json"
+    config_bytes = config_path.read_bytes()
+    json.loads(config_bytes)  # fail here, not deep in vLLM, on a broken file
+    tokenizer = ensure_tokenizer_model()
+    key = config_bytes + str(tokenizer).encode() + repr(_TOKENIZER_FILES).encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    out = CACHE / "models" / f"sim-{config_path.stem}-{digest}"
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in _TOKENIZER_FILES:
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, tmp / name)
+    (tmp / "config.json").write_bytes(config_bytes)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def filler_token_id(directory: Path) -> int:
+    """A plain word token of the tokenizer (" the"), emitted for every token but EOS."""
+    try:
+        vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    except (OSError, KeyError, ValueError):
+        return 100
+    for token in ("Ġthe", "the", "Ġa"):
+        if token in vocab:
+            return int(vocab[token])
+    return 100
+
+
+def _given(rest: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in rest for f in flags)
+
+
+def build_command(args: argparse.Namespace, rest: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The vLLM command line and environment for ``args`` (own flags) and ``rest`` (vLLM's)."""
+    spec = gpu(args.gpu)
+    config = Path(args.model_config)
+    directory = model_dir(config)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    if not _given(rest, "--model"):
+        cmd += ["--model", str(directory)]
+    if not _given(rest, "--served-model-name"):
+        cmd += ["--served-model-name", config.stem if config.is_file() else config.name]
+    defaults: list[tuple[tuple[str, ...], list[str]]] = [
+        (("--block-size",), ["--block-size", "16"]),
+        (
+            ("--max-num-batched-tokens",),
+            ["--max-num-batched-tokens", str(spec.default_max_num_batched_tokens)],
+        ),
+        (("--max-num-seqs",), ["--max-num-seqs", str(spec.default_max_num_seqs)]),
+        (("--load-format",), ["--load-format", "dummy"]),
+        (("--host",), ["--host", "127.0.0.1"]),
+    ]
+    for flags, value in defaults:
+        if not _given(rest, *flags):
+            cmd += value
+    cmd += ["--distributed-executor-backend", EXECUTOR, *rest]
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the CPU platform would size the pool from it
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        KV_SIDECAR_SIM_GPU=spec.name,
+        KV_SIDECAR_SIM_STEP=args.sim_step,
+        KV_SIDECAR_SIM_CONTROL=args.sim_control or "",
+        KV_SIDECAR_SIM_TOKEN_ID=str(filler_token_id(directory)),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+    )
+    return cmd, env
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m harness.sim_vllm",
+        description="vLLM's OpenAI server on a simulated GPU (other flags go to vLLM)",
+    )
+    p.add_argument("--gpu", default="h100-80gb", help="h100-80gb, h200-141gb, a100-80gb")
+    p.add_argument("--model-config", required=True, help="config.json (or its directory)")
+    p.add_argument("--sim-step", default="roofline", help="roofline | manual | SECONDS")
+    p.add_argument("--sim-control", default="", help="HOST:PORT of the step control channel")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, rest = parser().parse_known_args(argv)
+    gpu(args.gpu)  # an unknown GPU fails before any re-exec
+    if args.sim_step == "manual" and not args.sim_control:
+        parser().error("--sim-step manual needs --sim-control HOST:PORT")
+    if not _in_vllm_venv():
+        _reexec_in_vllm_venv(argv)
+    cmd, env = build_command(args, rest)
+    os.execve(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
