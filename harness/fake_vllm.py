@@ -1,17 +1,18 @@
 """A fake vLLM for fast tests: vLLM 0.32's wire formats, plus knobs and a request log.
 
-The shapes are copied from what a real vLLM 0.32 (CPU build) answered, in
-``tests/fixtures/vllm-0.32.0-cpu/``: ``/v1/models``, ``/metrics`` (the captured text with the
+The formats and rules are :mod:`harness.vllm_formats`' (copied from a real vLLM 0.32, CPU build,
+in ``tests/fixtures/vllm-0.32.0-cpu/``): ``/v1/models``, ``/metrics`` (the captured text with the
 values the sidecar reads swapped in, plus ``vllm:lora_requests_info`` as vLLM's source writes it
 when LoRA is on: ``max_loras``, :meth:`FakeVllm.record_lora`), ``/tokenize``, and completions and
 chat completions, plain JSON or SSE. Token counts are a deterministic function of the text
-(:func:`count_prompt`), not a real tokenizer. Extra routes exercise the proxy's pass-through:
-``/echo/...``, ``/slow``, ``/status/{code}`` and ``/gzip``.
+(:func:`count_prompt`, the ``prompt_counter`` knob), not a real tokenizer. Extra routes exercise
+the proxy's pass-through: ``/echo/...``, ``/slow``, ``/status/{code}`` and ``/gzip``.
 
 It is a pure ASGI app (:class:`FakeVllm`) served by uvicorn on a loopback port in a thread
 (:class:`FakeServer`), so both sync and async tests can use it and can stop it under a running
 sidecar. Knobs are plain attributes, read on each request; the log and counters are written by the
-server thread only.
+server thread only. The benchmarks serve the same :class:`FakeVllm` at loopback speed, in its own
+process: :mod:`harness.fake_vllm_fast`.
 
 Usage (``tmp_path`` is pytest's)::
 
@@ -41,97 +42,55 @@ from urllib.parse import parse_qs
 import uvicorn
 from prometheus_client.utils import floatToGoString
 
+from harness.vllm_formats import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    GENERATION_PATHS,
+    METRICS_CONTENT_TYPE,
+    METRICS_TEXT,
+    SSE_DONE,
+    completion_answer,
+    count_prompt,
+    dumps,
+    generation_default,
+    max_tokens_for,
+    models_list,
+    sse_event,
+    stream_head,
+    stream_opening,
+    stream_token,
+    stream_usage,
+    token_text,
+    tokenize_answer,
+    vllm_error,
+    write_model_dir,
+)
+
+__all__ = [
+    "GZIP_BODY",
+    "FakeServer",
+    "FakeVllm",
+    "Generation",
+    "Message",
+    "Receive",
+    "Recorded",
+    "Refusal",
+    "Scope",
+    "Send",
+    "bound_socket",
+    "count_prompt",
+    "respond",
+    "write_model_dir",
+]
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm-0.32.0-cpu"
-METRICS_TEXT = (FIXTURES / "metrics-fresh.txt").read_text()
-
-#: A model config vLLM could serve: 2 layers, 2 KV heads, head_dim 64, bf16 (1 KiB per token).
-TINY_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "hidden_size": 256,
-    "max_position_embeddings": 1024,
-    "torch_dtype": "bfloat16",
-}
-CREATED = 1795939723  # vLLM stamps "created"; fixed here so that answers are reproducible
-FINGERPRINT = "vllm-0.32.0-3470f119"
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 #: What ``GET /gzip`` answers, with ``Content-Encoding: gzip``.
 GZIP_BODY = gzip.compress(b"vLLM says hello, compressed. " * 64, mtime=0)
 
 MetricsMode = Literal["ok", "error", "garbage", "hang", "no_cache_config"]
-
-
-#: vLLM 0.32's ``CompletionRequest.max_tokens`` default, also for an explicit null.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-def write_model_dir(path: Path, *, max_new_tokens: int | None = None) -> Path:
-    """A model directory holding only ``config.json`` (no tokenizer files), and with
-    ``max_new_tokens`` a ``generation_config.json`` that sets it."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
-    if max_new_tokens is not None:
-        generation = {"bos_token_id": 0, "eos_token_id": 1, "max_new_tokens": max_new_tokens}
-        (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    return path
-
-
-def generation_default(model_root: Path | None) -> int | None:
-    """``max_new_tokens`` of the model's ``generation_config.json``: what vLLM's default
-    ``--generation-config auto`` takes as the default ``max_tokens``."""
-    if model_root is None:
-        return None
-    try:
-        value = json.loads((model_root / "generation_config.json").read_text()).get(
-            "max_new_tokens"
-        )
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and value > 0 else None
-
-
-def _words(text: str) -> int:
-    return len(text.split())
-
-
-def _message_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return ""
-
-
-def count_prompt(body: dict[str, Any]) -> int:
-    """The fake tokenizer: words + 1 BOS for a prompt; 3 per message plus its words, + 2 for
-    the generation prompt, for messages. Token-id prompts count as given."""
-    if "messages" in body:
-        return 2 + sum(3 + _words(_message_text(m.get("content"))) for m in body["messages"])
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, list):
-        if prompt and isinstance(prompt[0], int):
-            return len(prompt)
-        return sum(count_prompt({**body, "prompt": p}) for p in prompt)
-    bos = 1 if body.get("add_special_tokens", True) else 0
-    return _words(str(prompt)) + bos
-
-
-def _dumps(obj: Any) -> bytes:
-    # vLLM answers with pydantic's compact JSON, non-ASCII left as is
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def vllm_error(message: str, status: int = 400, type_: str = "BadRequestError") -> bytes:
-    return _dumps({"error": {"message": message, "type": type_, "param": None, "code": status}})
 
 
 @dataclass
@@ -154,6 +113,27 @@ class Recorded:
 
     def json(self) -> Any:
         return json.loads(self.body)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A generation request the fake accepted: what it will answer, as vLLM would."""
+
+    chat: bool
+    rid: str
+    tokens: int  # per sequence
+    n: int
+    usage: dict[str, int]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a usage event before [DONE]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A generation request the fake refused, as vLLM would: the status and the error body."""
+
+    status: int
+    body: bytes
 
 
 class FakeVllm:
@@ -185,6 +165,9 @@ class FakeVllm:
         self.default_max_tokens: int | None = generation_default(model_root)
         self.max_tokens_cap: int | None = None
         self.fail_after: int | None = None  # generations crash after this many tokens
+        #: prompt tokens of a request body, for /tokenize, max_tokens and usage (the benchmarks'
+        #: fast server counts with the model's own tokenizer instead)
+        self.prompt_counter: Callable[[dict[str, Any]], int] = count_prompt
         # vLLM's --enable-lora --max-loras N: with it set, /metrics has vllm:lora_requests_info
         # (see record_lora); None (the default) serves vLLM without LoRA, which exports no such
         # family at all
@@ -274,35 +257,7 @@ class FakeVllm:
         return text
 
     def models(self) -> dict[str, Any]:
-        entry: dict[str, Any] = {
-            "id": self.served_name,
-            "object": "model",
-            "created": CREATED,
-            "owned_by": "vllm",
-        }
-        if self.model_root is not None:
-            entry["root"] = str(self.model_root)
-        entry |= {
-            "parent": None,
-            "max_model_len": self.max_model_len,
-            "permission": [
-                {
-                    "id": "modelperm-b0903443d43eb746",
-                    "object": "model_permission",
-                    "created": CREATED,
-                    "allow_create_engine": False,
-                    "allow_sampling": True,
-                    "allow_logprobs": True,
-                    "allow_search_indices": False,
-                    "allow_view": True,
-                    "allow_fine_tuning": False,
-                    "organization": "*",
-                    "group": None,
-                    "is_blocking": False,
-                }
-            ],
-        }
-        return {"object": "list", "data": [entry]}
+        return models_list(self.served_name, self.model_root, self.max_model_len)
 
     # --- ASGI ---------------------------------------------------------------------------
 
@@ -329,7 +284,7 @@ class FakeVllm:
         if path == "/metrics" and method == "GET":
             await self._metrics(send)
         elif path == "/v1/models" and method == "GET":
-            await respond(send, 200, _dumps(self.models()))
+            await respond(send, 200, dumps(self.models()))
         elif path == "/health" and method == "GET":
             await respond(send, 200, b"", content_type=None)
         elif path == "/tokenize" and method == "POST":
@@ -345,7 +300,7 @@ class FakeVllm:
         elif path == "/gzip":
             await self._gzip(send)
         else:
-            await respond(send, 404, _dumps({"detail": "Not Found"}))
+            await respond(send, 404, dumps({"detail": "Not Found"}))
 
     async def _read_body(self, receive: Receive, *, record_first_chunk: bool) -> tuple[bytes, bool]:
         """The request body, and whether it arrived whole."""
@@ -374,23 +329,19 @@ class FakeVllm:
         # polled: the knob is set from the test's thread, which cannot set an asyncio.Event here
         while self.metrics_mode == "hang" and not self.closing:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
-        ctype = b"text/plain; version=0.0.4; charset=utf-8"
-        await respond(send, 200, self.metrics_text().encode(), content_type=ctype)
+        await respond(send, 200, self.metrics_text().encode(), content_type=METRICS_CONTENT_TYPE)
+
+    def tokenize(self, raw: bytes) -> tuple[int, bytes]:
+        """``POST /tokenize`` of the body ``raw``: the status and the answer."""
+        try:
+            count = self.prompt_counter(json.loads(raw))
+        except (ValueError, TypeError, AttributeError) as exc:
+            return 400, vllm_error(f"bad /tokenize body: {exc}")
+        return 200, dumps(tokenize_answer(count, self.max_model_len))
 
     async def _tokenize(self, send: Send, rec: Recorded) -> None:
-        try:
-            body = rec.json()
-            count = count_prompt(body)
-        except (ValueError, TypeError, AttributeError) as exc:
-            await respond(send, 400, vllm_error(f"bad /tokenize body: {exc}"))
-            return
-        answer = {
-            "count": count,
-            "max_model_len": self.max_model_len,
-            "tokens": list(range(count)),
-            "token_strs": None,
-        }
-        await respond(send, 200, _dumps(answer))
+        status, body = self.tokenize(rec.body)
+        await respond(send, status, body)
 
     async def _echo(self, send: Send, rec: Recorded) -> None:
         answer = {
@@ -403,7 +354,7 @@ class FakeVllm:
             "body_len": len(rec.body),
             "body_sha256": hashlib.sha256(rec.body).hexdigest(),
         }
-        await respond(send, 200, _dumps(answer))
+        await respond(send, 200, dumps(answer))
 
     async def _status(self, send: Send, status: int, method: str) -> None:
         headers = [
@@ -482,11 +433,13 @@ class FakeVllm:
 
     # --- generation ---------------------------------------------------------------------
 
-    async def _generate(self, receive: Receive, send: Send, rec: Recorded) -> None:
-        chat = rec.path == "/v1/chat/completions"
+    def plan_generation(self, path: str, raw: bytes) -> Generation | Refusal:
+        """What vLLM does with a generation request to ``path`` of body ``raw``: the answer it
+        will give, or the error it refuses with (in vLLM's order of checks)."""
+        chat = path == "/v1/chat/completions"
         try:
-            body = rec.json()
-            prompt_tokens = count_prompt(body)
+            body = json.loads(raw)
+            prompt_tokens = self.prompt_counter(body)
             param = "max_tokens"
             if chat:
                 # vLLM: max_completion_tokens if not None, else max_tokens (None: no default)
@@ -500,51 +453,53 @@ class FakeVllm:
                 if max_tokens is None:
                     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
         except (ValueError, TypeError, AttributeError) as exc:
-            await respond(send, 400, vllm_error(f"bad request: {exc}"))
-            return
+            return Refusal(400, vllm_error(f"bad request: {exc}"))
         model = body.get("model")
         if model is not None and model != self.served_name:
             message = f"The model `{model}` does not exist."
-            await respond(send, 404, vllm_error(message, 404, "NotFoundError"))
-            return
+            return Refusal(404, vllm_error(message, 404, "NotFoundError"))
         if max_tokens is not None and max_tokens > self.max_model_len:
             message = (
                 f"{param}={max_tokens} cannot be greater than max_model_len="
                 f"{self.max_model_len}. Please request fewer output tokens."
             )
-            await respond(send, 400, vllm_error(message))
-            return
+            return Refusal(400, vllm_error(message))
         tokens = self.max_tokens_for(prompt_tokens, max_tokens)
         if not chat and body.get("echo") is True and max_tokens == 0:
             tokens = 1  # vLLM's echo_without_generation runs with max_tokens=1
         if tokens < 1:  # SamplingParams._verify_args
-            await respond(send, 400, vllm_error(f"max_tokens must be at least 1, got {tokens}."))
-            return
+            return Refusal(400, vllm_error(f"max_tokens must be at least 1, got {tokens}."))
         if isinstance(body.get("fake_len"), int):
             tokens = min(tokens, body["fake_len"])
         n = int(body.get("n") or 1)
-        rid = ("chatcmpl-" if chat else "cmpl-") + hashlib.sha256(rec.body).hexdigest()[:16]
+        rid = ("chatcmpl-" if chat else "cmpl-") + hashlib.sha256(raw).hexdigest()[:16]
         usage = {
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + n * tokens,
             "completion_tokens": n * tokens,
         }
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            work = self._stream(
-                send, chat, rid, tokens, n, usage if options.get("include_usage") else None
-            )
-        else:
-            work = self._answer(send, chat, rid, tokens, n, usage)
+        stream = bool(body.get("stream"))
+        options = (body.get("stream_options") or {}) if stream else {}
+        include_usage = bool(options.get("include_usage"))
+        return Generation(chat, rid, tokens, n, usage, stream, include_usage)
+
+    async def _generate(self, receive: Receive, send: Send, rec: Recorded) -> None:
+        planned = self.plan_generation(rec.path, rec.body)
+        if isinstance(planned, Refusal):
+            await respond(send, planned.status, planned.body)
+            return
+        work = self._stream(send, planned) if planned.stream else self._answer(send, planned)
         await self._run_watched(receive, work)
 
     def max_tokens_for(self, prompt_tokens: int, max_tokens: int | None) -> int:
-        """vLLM's ``get_max_tokens`` (entrypoints/serve/utils/api_utils.py): the least of the
-        rest of the context, the request's max_tokens (else the generation config's default)
-        and the override cap."""
-        fallback = max_tokens if max_tokens is not None else self.default_max_tokens
-        limits = (self.max_model_len - prompt_tokens, fallback, self.max_tokens_cap)
-        return min(v for v in limits if v is not None)
+        """vLLM's ``get_max_tokens`` with this fake's generation config and override cap."""
+        return max_tokens_for(
+            self.max_model_len,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            default=self.default_max_tokens,
+            cap=self.max_tokens_cap,
+        )
 
     async def _decode(self, step: int) -> str:
         if self.token_delay:
@@ -553,70 +508,20 @@ class FakeVllm:
             # uvicorn drops the connection of an app that raises, as a crashed vLLM would
             raise RuntimeError("injected engine failure")
         self.generation_tokens_total += 1
-        return f" w{step}"
+        return token_text(step)
 
-    async def _answer(
-        self, send: Send, chat: bool, rid: str, tokens: int, n: int, usage: dict[str, int]
-    ) -> None:
-        text = "".join([await self._decode(i) for i in range(tokens)])
-        choices: list[dict[str, Any]]
-        if chat:
-            choices = [
-                {
-                    "index": i,
-                    "message": {
-                        "role": "assistant",
-                        "content": text,
-                        "refusal": None,
-                        "annotations": None,
-                        "audio": None,
-                        "function_call": None,
-                        "tool_calls": [],
-                        "reasoning_content": None,
-                    },
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                    "token_ids": None,
-                }
-                for i in range(n)
-            ]
-            answer: dict[str, Any] = {"id": rid, "object": "chat.completion"}
-        else:
-            choices = [
-                {
-                    "index": i,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": "length",
-                    "stop_reason": None,
-                    "token_ids": None,
-                    "prompt_logprobs": None,
-                    "prompt_token_ids": None,
-                }
-                for i in range(n)
-            ]
-            answer = {"id": rid, "object": "text_completion"}
-        answer |= {
-            "created": CREATED,
-            "model": self.served_name,
-            "choices": choices,
-            "service_tier": None,
-            "system_fingerprint": FINGERPRINT,
-            "usage": {**usage, "prompt_tokens_details": None},
-            "kv_transfer_params": None,
-        }
-        await respond(send, 200, _dumps(answer))
+    async def _answer(self, send: Send, g: Generation) -> None:
+        text = "".join([await self._decode(i) for i in range(g.tokens)])
+        answer = completion_answer(g.chat, g.rid, self.served_name, text, g.n, g.usage)
+        await respond(send, 200, dumps(answer))
 
-    async def _stream(
-        self, send: Send, chat: bool, rid: str, tokens: int, n: int, usage: dict[str, int] | None
-    ) -> None:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": rid, "object": obj, "created": CREATED, "model": self.served_name}
+    async def _stream(self, send: Send, g: Generation) -> None:
+        head = stream_head(g.chat, g.rid, self.served_name)
 
         async def event(payload: dict[str, Any]) -> None:
-            data = b"data: " + _dumps(payload) + b"\n\n"
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": sse_event(payload), "more_body": True}
+            )
 
         await send(
             {
@@ -625,30 +530,17 @@ class FakeVllm:
                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
             }
         )
-        if chat:  # vLLM opens a chat stream with the role, before any token
-            for i in range(n):
-                delta = {"role": "assistant", "content": ""}
-                opening = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                await event(
-                    {**head, "choices": [opening], "prompt_token_ids": None, "prompt_text": None}
-                )
-        for step in range(tokens):
+        if g.chat:  # vLLM opens a chat stream with the role, before any token
+            for i in range(g.n):
+                await event(stream_opening(head, i))
+        for step in range(g.tokens):
             text = await self._decode(step)
-            last = step == tokens - 1
-            for i in range(n):
-                choice: dict[str, Any] = {"index": i}
-                if chat:
-                    choice["delta"] = {"content": text}
-                else:
-                    choice["text"] = text
-                choice |= {"logprobs": None, "finish_reason": "length" if last else None}
-                if last or not chat:
-                    choice["stop_reason"] = None
-                choice["token_ids"] = None
-                await event({**head, "choices": [choice]})
-        if usage is not None:
-            await event({**head, "choices": [], "usage": usage, "system_fingerprint": FINGERPRINT})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+            last = step == g.tokens - 1
+            for i in range(g.n):
+                await event(stream_token(head, g.chat, i, text, last=last))
+        if g.include_usage:
+            await event(stream_usage(head, g.usage))
+        await send({"type": "http.response.body", "body": SSE_DONE, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
