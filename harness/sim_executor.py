@@ -37,7 +37,9 @@ The control channel is plain HTTP with JSON answers:
                               "last_step": {...}}  (waiting: a batch is scheduled and blocked)
     POST /step {"n": N, "timeout": S}
                              grant N steps; answers once they have run (or at the timeout) with
-                             the state and "done": true/false
+                             the state and "done": true/false (manual mode only: 409 otherwise)
+    POST /mode {"mode": M}   switch the step mode at run time (roofline, manual or seconds);
+                             leaving manual releases a step waiting for its grant
 """
 
 from __future__ import annotations
@@ -104,21 +106,33 @@ class StepRecord:
 
 
 class StepGate:
-    """Manual stepping: a step runs only when granted; the test side waits for steps to run."""
+    """Manual stepping: a step runs only when granted; the test side waits for steps to run.
 
-    def __init__(self) -> None:
+    ``manual`` off (a free-running mode), ``acquire`` returns at once: switching modes at run
+    time releases a step that was waiting for a grant.
+    """
+
+    def __init__(self, manual: bool) -> None:
         self._cond = threading.Condition()
+        self.manual = manual
         self.granted = 0
         self.steps = 0
         self.waiting = False
+
+    def set_manual(self, manual: bool) -> None:
+        with self._cond:
+            self.manual = manual
+            self.granted = 0
+            self._cond.notify_all()
 
     def acquire(self) -> None:
         with self._cond:
             self.waiting = True
             self._cond.notify_all()
-            while self.granted == 0:
+            while self.manual and self.granted == 0:
                 self._cond.wait()
-            self.granted -= 1
+            if self.manual:
+                self.granted -= 1
             self.waiting = False
 
     def finished_step(self) -> None:
@@ -127,6 +141,7 @@ class StepGate:
             self._cond.notify_all()
 
     def grant(self, n: int, timeout: float) -> bool:
+        """Let ``n`` more steps run; True once they have (False at the timeout)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             target = self.steps + self.granted + n
@@ -157,14 +172,11 @@ class SimEngine:
             self.cache_config.cache_dtype, self.model_config
         )
         self.kv_dtype_bytes = self.kv_dtype.itemsize
-        mode = os.environ.get(ENV_STEP, "roofline").strip() or "roofline"
+        self.mode = "roofline"
         self.fixed_step_seconds: float | None = None
-        if mode not in ("roofline", "manual"):
-            self.fixed_step_seconds = float(mode)
-            mode = "fixed"
-        self.mode = mode
+        self.gate = StepGate(manual=False)
+        self.set_mode(os.environ.get(ENV_STEP, "roofline"))
         self.token_id = int(os.environ.get(ENV_TOKEN, DEFAULT_TOKEN_ID))
-        self.gate = StepGate()
         self.seqs: dict[str, _Seq] = {}
         self.simulated_seconds = 0.0
         self.last_step: StepRecord | None = None
@@ -174,8 +186,25 @@ class SimEngine:
         control = os.environ.get(ENV_CONTROL, "")
         if control:
             self._control = _serve_control(self, control)
-        elif mode == "manual":
+        elif self.mode == "manual":
             raise ValueError(f"{ENV_STEP}=manual needs {ENV_CONTROL}=host:port")
+
+    def set_mode(self, mode: str) -> None:
+        """``roofline``, ``manual`` or a fixed step time in seconds (as ``KV_SIDECAR_SIM_STEP``)."""
+        mode = mode.strip() or "roofline"
+        fixed: float | None = None
+        if mode not in ("roofline", "manual"):
+            try:
+                fixed = float(mode)
+            except ValueError:
+                raise ValueError(
+                    f"step mode must be roofline, manual or seconds, got {mode!r}"
+                ) from None
+            if fixed < 0:
+                raise ValueError(f"a fixed step time must not be negative, got {fixed}")
+            mode = "fixed"
+        self.mode, self.fixed_step_seconds = mode, fixed
+        self.gate.set_manual(mode == "manual")
 
     # --- startup: what a GPU worker reports ---
 
@@ -283,8 +312,7 @@ class SimEngine:
         self._track(so)
         if not so.num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        if self.mode == "manual":
-            self.gate.acquire()
+        self.gate.acquire()
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         batch: list[sim_cost.SeqWork] = []
@@ -316,10 +344,7 @@ class SimEngine:
             linear_seconds=cost.linear_seconds,
             attention_seconds=cost.attention_seconds,
         )
-        if self.mode == "manual":
-            self.gate.finished_step()
-        else:
-            self.gate.steps += 1
+        self.gate.finished_step()
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -350,6 +375,7 @@ class SimEngine:
         last = self.last_step.__dict__ if self.last_step is not None else None
         return {
             "mode": self.mode,
+            "fixed_step_seconds": self.fixed_step_seconds,
             "gpu": self.gpu.name,
             "tensor_parallel_size": self.tp,
             "steps": self.gate.steps,
@@ -389,15 +415,20 @@ def _serve_control(engine: SimEngine, address: str) -> ThreadingHTTPServer:
                 self._answer(404, {"error": "GET /state or POST /step"})
 
         def do_POST(self) -> None:
-            if self.path.rstrip("/") != "/step":
-                self._answer(404, {"error": "GET /state or POST /step"})
+            path = self.path.rstrip("/")
+            if path not in ("/step", "/mode"):
+                self._answer(404, {"error": "GET /state, POST /step or POST /mode"})
                 return
             length = int(self.headers.get("content-length") or 0)
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")
+                if path == "/mode":
+                    engine.set_mode(str(body["mode"]))
+                    self._answer(200, engine.state())
+                    return
                 n = int(body.get("n", 1))
                 timeout = float(body.get("timeout", 30.0))
-            except (ValueError, TypeError, AttributeError) as exc:
+            except (ValueError, TypeError, AttributeError, KeyError) as exc:
                 self._answer(400, {"error": f"bad body: {exc}"})
                 return
             if engine.mode != "manual":
