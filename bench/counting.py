@@ -15,14 +15,15 @@ Two parts, both run on the generated tiny model's tokenizer (byte-level BPE, 512
    worker threads, no cap), ``gil-free`` the current one (``encode_batch`` for long texts, the
    GIL released while Rust tokenizes; ``--max-concurrent-counts``'s default of slots).
 2. **The relay next to 128k-token counts** (real processes): the fast fake vLLM
-   (``bench.upstream``, ``--max-model-len 200000``, SSE events paced at ``--interval-ms``), a
-   ``kv-sidecar serve`` in front of it counting with the local tokenizer (discovered from
-   ``/v1/models`` ``root``), one streamed completion read by its own light process that stamps
-   every event, and meanwhile 0, 1, 4 or 16 clients sending 128k-token completions one after
-   another (honouring Retry-After on a 429, as the openai client does). A second stream reader
-   goes straight to the upstream in the same window: the machine's own noise floor. Reported:
-   the inter-event gap (p50, p99, max) and the *stall*, the gap less the upstream's pace. The
-   "before" sidecar is a git worktree of ``--baseline`` (default ``HEAD``), run alike.
+   (``harness.fake_vllm_fast``, ``--max-model-len 200000``, SSE events paced at
+   ``--interval-ms``), a ``kv-sidecar serve`` in front of it counting with the local tokenizer
+   (discovered from ``/v1/models`` ``root``), one streamed completion read by its own light
+   process that stamps every event, and meanwhile 0, 1, 4 or 16 clients sending 128k-token
+   completions one after another (honouring Retry-After on a 429, as the openai client does). A
+   second stream reader goes straight to the upstream in the same window: the machine's own
+   noise floor. Reported: the inter-event gap (p50, p99, max) and the *stall*, the gap less the
+   upstream's pace. The "before" sidecar is a git worktree of ``--baseline`` (default ``HEAD``),
+   run alike.
 
 Target (issue 14): a stall p99 under 5 ms while 128k-token prompts are being counted.
 """
@@ -34,7 +35,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import random
 import subprocess
 import sys
 import time
@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from bench.common import LONG_CONTEXT_LEN, BaselineSidecar, make_texts, worktree
 from harness.bench_util import (
     RESULTS,
     ROOT,
@@ -58,9 +59,9 @@ from harness.bench_util import (
     update_section,
     write_json,
 )
+from harness.fake_vllm_fast import FakeVllmProcess
 from harness.stats import percentile
-from harness.tiny_model import WORDS
-from harness.vllm_cpu import ensure_tokenizer_model, free_port
+from harness.vllm_cpu import ensure_tokenizer_model
 from harness.workload import SidecarProcess
 
 LENGTHS = (1_000, 8_000, 32_000, 128_000)
@@ -68,25 +69,6 @@ CONCURRENCY = (1, 4, 16)
 FLOODS = (0, 1, 4, 16)
 FLOOD_TOKENS = 128_000
 TARGET_STALL_P99_S = 0.005
-MAX_MODEL_LEN = 200_000
-
-
-# --- prompts ------------------------------------------------------------------------------------
-
-
-def make_texts(model_dir: Path, tokens: int, count: int, *, seed: int = 0) -> list[str]:
-    """``count`` distinct texts of about ``tokens`` tokens each (cut at a token boundary; the
-    counts reported are the sidecar's own)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    rng = random.Random(seed)
-    texts = []
-    for _ in range(count):
-        words = [str(rng.randint(0, 10**9)), *(rng.choice(WORDS) for _ in range(tokens))]
-        ids = tok(" ".join(words), add_special_tokens=False)["input_ids"][:tokens]
-        texts.append(str(tok.decode(ids)))
-    return texts
 
 
 # --- part 1: the cost of a count, in this process -----------------------------------------------
@@ -244,41 +226,6 @@ def gap_figures(stamps: Sequence[float], interval_s: float) -> dict[str, float]:
     }
 
 
-class Upstream:
-    """``bench.upstream`` with the model root and a context that takes 128k-token prompts."""
-
-    def __init__(self, model_root: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "bench.upstream",
-                "--port",
-                str(self.port),
-                "--model-root",
-                str(model_root),
-                "--max-model-len",
-                str(MAX_MODEL_LEN),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.1)
-        raise TimeoutError("bench upstream did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
 def stream_reader(url: str, events: int, interval_ms: float) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
@@ -351,7 +298,7 @@ async def flood(
 
 def relay_case(
     sidecar: SidecarProcess,
-    upstream: Upstream,
+    upstream: FakeVllmProcess,
     bodies: Sequence[bytes],
     senders: int,
     events: int,
@@ -406,14 +353,12 @@ def relay_part(
 ) -> dict[str, Any]:
     texts = make_texts(model_dir, FLOOD_TOKENS, 8, seed=128)
     bodies = [json.dumps({"model": "tiny", "prompt": t, "max_tokens": 1}).encode() for t in texts]
-    upstream = Upstream(model_dir)
+    upstream = FakeVllmProcess(model_dir, max_model_len=LONG_CONTEXT_LEN).start()
     out: dict[str, Any] = {"interval_ms": interval_ms, "events": events, "variants": {}}
     try:
         variants: list[tuple[str, Any]] = [("after", None)]
         tree_cm: Any = contextlib.nullcontext(None)
         if baseline:
-            from bench.overhead import worktree
-
             tree_cm = worktree(baseline)
         with tree_cm as tree:
             if tree is not None:
@@ -423,8 +368,6 @@ def relay_part(
                 cases = []
                 for senders in floods:
                     if tree_info is not None:
-                        from bench.overhead import BaselineSidecar
-
                         sidecar: SidecarProcess = BaselineSidecar(
                             tree_info[0], upstream.url, "--log-level", "warning"
                         )

@@ -51,10 +51,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from bench.counting import MAX_MODEL_LEN, make_texts
-from bench.counting import Upstream as LongContextUpstream
+from bench.common import LONG_CONTEXT_LEN as MAX_MODEL_LEN
+from bench.common import make_texts, stream_once
 from bench.overhead import SMALL_BODY, WRK_LUA, Target, child_pids, rotate, warm, wrk
-from bench.sse_client import _stream_once
 from harness.bench_util import (
     RESULTS,
     ROOT,
@@ -68,6 +67,7 @@ from harness.bench_util import (
     update_section,
     write_json,
 )
+from harness.fake_vllm_fast import FakeVllmProcess
 from harness.stats import median, percentile
 from harness.vllm_cpu import ensure_tokenizer_model
 from harness.workload import SidecarProcess, metric_value
@@ -121,7 +121,7 @@ async def send_loop(
             while time.perf_counter() < deadline:
                 start = time.perf_counter()
                 try:
-                    await _stream_once(reader, writer, requests[i % len(requests)])
+                    await stream_once(reader, writer, requests[i % len(requests)])
                 except (RuntimeError, asyncio.IncompleteReadError, ConnectionError) as exc:
                     errors.append(str(exc)[:300])
                     writer.close()
@@ -495,7 +495,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     progress("scaling: starting the fast upstream and the sidecar")
-    upstream = LongContextUpstream(model)
+    upstream = FakeVllmProcess(model, max_model_len=MAX_MODEL_LEN).start()
     sidecar = SidecarProcess(upstream.url, *flags)
     multi = (
         SidecarProcess(upstream.url, *flags, "--workers", str(args.workers))

@@ -26,13 +26,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.admission import reset_prefix_cache, sidecar_args, wait_idle, wait_tokenizer, warm_up
-from harness.bench_util import load_average, machine, machine_line, progress, table
+from bench.common import queue_flags, reset_prefix_cache, wait_idle, wait_tokenizer, warm_up_vllm
+from harness.bench_util import RESULTS, load_average, machine, machine_line, progress, table
 from harness.stats import median
 from harness.vllm_cpu import VllmServer, ensure_model, vllm_python
 from harness.workload import SidecarProcess, vllm_preemptions
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("direct", "sidecar-worst-case", "sidecar-expected")
 
 #: runs ``vllm bench serve`` from the vLLM venv with the version shim
@@ -111,8 +110,8 @@ def one_config(
         if config == "direct":
             result = run_client(server.url, model_dir, args, out)
         else:
-            name = f"sidecar-{config.removeprefix('sidecar-')}-queue"
-            with SidecarProcess(server.url, *sidecar_args(name)) as sidecar:
+            flags = queue_flags("queue", config.removeprefix("sidecar-"))
+            with SidecarProcess(server.url, *flags) as sidecar:
                 wait_tokenizer(sidecar)
                 result = run_client(sidecar.url, model_dir, args, out)
     keep = {key: result.get(key) for key, _ in FIGURES}
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     raw: dict[str, Any] = {"args": vars(args) | {"out": str(args.out)}, "machine": machine()}
     raw["reps"] = []
     with VllmServer() as server:
-        warm_up(server.url)
+        warm_up_vllm(server.url)
         for k in range(args.reps):
             order = CONFIGS[k % len(CONFIGS) :] + CONFIGS[: k % len(CONFIGS)]
             rep: dict[str, Any] = {}

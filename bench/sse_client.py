@@ -16,47 +16,7 @@ import json
 import time
 from urllib.parse import urlsplit
 
-
-async def _stream_once(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
-) -> tuple[int, int, float]:
-    """Send one request and read its SSE answer.
-
-    Returns (events, HTTP chunks, seconds to the first event). A proxy relays each read from its
-    upstream as one chunk, so events per chunk tells how much the relay coalesced.
-    """
-    t0 = time.perf_counter()
-    writer.write(request)
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = head.split(b" ", 2)[1]
-    if status != b"200":
-        raise RuntimeError(f"HTTP {status.decode()}: {head[:200]!r}")
-    lower = head.lower()
-    chunked = b"transfer-encoding: chunked" in lower
-    events = 0
-    chunks = 0
-    first: float | None = None
-    tail = b""
-    if not chunked:
-        # a length-delimited body (an error, most likely): read it and count what is there
-        length = int(lower.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-        body = await reader.readexactly(length)
-        return body.count(b"data:"), 1, time.perf_counter() - t0
-    while True:
-        size_line = await reader.readuntil(b"\r\n")
-        size = int(size_line.split(b";", 1)[0], 16)
-        if size == 0:
-            await reader.readuntil(b"\r\n")  # the empty trailer
-            break
-        data = await reader.readexactly(size + 2)
-        window = tail + data[:-2]
-        n = window.count(b"data:")
-        if n and first is None:
-            first = time.perf_counter() - t0
-        events += n
-        chunks += 1
-        tail = window[-4:]
-    return events, chunks, first if first is not None else float("nan")
+from bench.common import stream_once
 
 
 async def _worker(
@@ -71,7 +31,7 @@ async def _worker(
     try:
         while time.perf_counter() < deadline:
             try:
-                events, chunks, ttfe = await _stream_once(reader, writer, request)
+                events, chunks, ttfe = await stream_once(reader, writer, request)
             except (RuntimeError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 totals["errors"] += 1
                 errors.append(str(exc))
@@ -139,8 +99,10 @@ async def run(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.sse_client", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("url")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--events", type=int, default=200, help="max_tokens: events per stream")
@@ -150,9 +112,9 @@ def main() -> None:
         "--interval-ms",
         type=float,
         default=None,
-        help="ask the bench upstream to pace events (x-bench-interval-ms)",
+        help="ask the fast fake vLLM to pace events (x-bench-interval-ms)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import uvloop
 
     result = uvloop.run(
