@@ -52,12 +52,12 @@ from urllib.parse import urlsplit
 import httpx
 
 from bench.common import LONG_CONTEXT_LEN as MAX_MODEL_LEN
-from bench.common import make_texts, stream_once
-from bench.overhead import SMALL_BODY, WRK_LUA, Target, child_pids, rotate, warm, wrk
+from bench.common import SMALL_BODY, WRK_LUA, Target, make_texts, rotate, stream_once, warm, wrk
 from harness.bench_util import (
     RESULTS,
     ROOT,
     ProcStat,
+    children_pids,
     fmt,
     load_average,
     machine,
@@ -508,7 +508,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             multi.start(timeout=120)
         assert sidecar.proc is not None
         # one process: --workers auto (the default) starts relay workers only under a CPU quota
-        workers = child_pids(sidecar.proc.pid)
+        workers = children_pids(sidecar.proc.pid)
         if workers:
             raise SystemExit(
                 f"the sidecar started {len(workers)} relay workers (--workers auto under a CPU "
@@ -520,7 +520,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         targets = [direct, via]
         if multi is not None:
             assert multi.proc is not None
-            pids = [multi.proc.pid, *child_pids(multi.proc.pid)]
+            pids = [multi.proc.pid, *children_pids(multi.proc.pid)]
             assert len(pids) == 1 + args.workers, pids
             targets.append(Target(f"sidecar, {args.workers} relay workers", multi.url, pids))
         up = ProcStat(upstream.proc.pid)

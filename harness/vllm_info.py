@@ -27,9 +27,11 @@ class Server(Protocol):
     """What :class:`VllmInfo` keeps of the process that serves vLLM, when the harness started
     it (``harness.vllm_cpu.VllmServer`` is one): its model directory and its process."""
 
-    url: str
     model_dir: Path | None
     proc: subprocess.Popen[bytes] | None
+
+    @property
+    def url(self) -> str: ...
 
 
 #: Bytes per element of a KV cache dtype (vLLM's ``--kv-cache-dtype`` / the model's dtype).

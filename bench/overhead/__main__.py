@@ -1,0 +1,3 @@
+from bench.overhead.cli import main
+
+main()
