@@ -70,7 +70,8 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from harness import sim_cost
 from harness.gpus import GpuSpec, gpu
 
-logger = init_logger(__name__)
+# under "vllm." so that vLLM's logging config (level, format) applies to these lines
+logger = init_logger(f"vllm.{__name__}")
 
 ENV_GPU = "KV_SIDECAR_SIM_GPU"
 ENV_STEP = "KV_SIDECAR_SIM_STEP"
