@@ -522,7 +522,7 @@ def _risk_row() -> list[PanelBuilder]:
         ),
         timeseries_panel(
             "Learned output tokens per class",
-            "Expected mode (--reservation expected): the output tokens reserved per sequence for "
+            "Expected and adaptive modes: the output tokens reserved per sequence for "
             "each request class (endpoint and power-of-two bucket of max_tokens, or the "
             "x-kv-sidecar-class header), an upper confidence bound on a high quantile of its "
             "recent answer lengths. Empty in worst-case mode, where every request reserves its "
@@ -534,6 +534,43 @@ def _risk_row() -> list[PanelBuilder]:
             min_value=0,
             no_data="No learned lengths: worst-case mode (every request reserves max_tokens), "
             "or every class still on --expected-prior",
+        ),
+        timeseries_panel(
+            "Engine costs: the decode step",
+            "What admission learned of vLLM's costs: a decode step of its running batch (from "
+            "its inter-token latency), and what each token a step processes adds to it (the "
+            "slope of step time against tokens per step). --tpot-target is checked against the "
+            "step a larger batch would make.",
+            "s",
+            [
+                Query(
+                    _per_pod("max", sidecar("kv_sidecar_engine_decode_step_seconds")),
+                    "{{pod}} decode step",
+                ),
+                Query(
+                    _per_pod("max", sidecar("kv_sidecar_engine_step_seconds_per_token")),
+                    "{{pod}} per token in a step",
+                ),
+            ],
+            width=12,
+            min_value=0,
+            no_data="Not measured yet: vLLM has not been busy through two scrapes",
+        ),
+        timeseries_panel(
+            "Engine costs: a recompute",
+            "Tokens whose recompute (the prefill a preemption makes vLLM redo) costs one decode "
+            "step. Adaptive reservations (--reservation adaptive) risk a preemption where it "
+            "is cheap and reserve more where it is dear: a request is reserved to the length "
+            "quantile at which the recompute it risks costs at most --risk-steps decode steps.",
+            "short",
+            [
+                Query(
+                    _per_pod("min", sidecar("kv_sidecar_engine_prefill_tokens_per_step")),
+                    "{{pod}}",
+                )
+            ],
+            width=12,
+            min_value=0,
         ),
     ]
 

@@ -31,6 +31,7 @@ class ReservationMode(StrEnum):
 
     worst_case = "worst-case"  # max_tokens: no preemption possible
     expected = "expected"  # a learned length per request class
+    adaptive = "adaptive"  # a length quantile chosen by what a preemption would cost
 
 
 class StalePolicy(StrEnum):

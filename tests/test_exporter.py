@@ -138,6 +138,22 @@ def test_every_documented_metric_is_exported_and_nothing_else() -> None:
     lora = ((("max_lora", "2"), ("running_lora_adapters", "a"), ("waiting_lora_adapters", "")), 5.0)
     ac.on_snapshot(dataclasses.replace(snapshot(clock, used=5, running=1), lora_info=lora))
     metrics.on_snapshot()
+    # two busy intervals at two loads: the engine's step line and decode step are measured
+    totals = {"steps_total": 0.0, "step_tokens_total": 0.0}
+    for tokens_per_step, seconds_per_step in ((10, 0.010), (500, 0.020), (10, 0.010)):
+        clock.now += 1
+        totals["steps_total"] += 1 / seconds_per_step
+        totals["step_tokens_total"] += tokens_per_step / seconds_per_step
+        busy = snapshot(clock, used=5, running=1)
+        ac.on_snapshot(
+            dataclasses.replace(
+                busy,
+                inter_token_latency_sum=clock.now,
+                inter_token_latency_count=clock.now * 100,
+                lora_info=lora,
+                **totals,
+            )
+        )
     ac.reservation_mode = ReservationMode.expected  # the learned lengths are listed then
     for _ in range(ac.learner.min_samples):
         ac.learner.observe("chat:none", 100)

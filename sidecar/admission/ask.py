@@ -61,3 +61,7 @@ class KVState:
     #: output tokens expected mode reserves per sequence, per request class that has learned a
     #: length (empty in worst-case mode)
     expected_output_tokens: Mapping[str, int] = field(default_factory=dict)
+    # the engine's learned costs (the first pool's; ``sidecar.admission.costs``), None unmeasured
+    decode_step_seconds: float | None = None
+    step_seconds_per_token: float | None = None
+    prefill_tokens_per_step: float | None = None

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.admission.ask import Ask, KVState
+from sidecar.admission.costs import EngineCosts, reserve_quantile
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.engine_view import EngineView
 from sidecar.admission.fit import (
@@ -48,9 +49,10 @@ from sidecar.admission.fit import (
     committed_blocks,
     fits,
     in_flight_peak,
+    keeps_step_target,
     room_blocks,
 )
-from sidecar.admission.learner import LengthLearner
+from sidecar.admission.learner import UNBOUNDED, LengthLearner
 from sidecar.admission.retry import MIN_RETRY_AFTER, RetryPlanner
 from sidecar.config import Policy, ReservationMode, StalePolicy
 from sidecar.engine.snapshot import EngineSnapshot
@@ -59,6 +61,13 @@ from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import Projection
 
 log = logging.getLogger("sidecar.admission")
+
+#: adaptive mode, while nothing is known of answer lengths: output tokens risked per sequence
+#: where a recompute is cheap (a few decode steps), widened as the answer runs past them (LightLLM
+#: and SGLang likewise start low and grow an estimate as a request decodes) ...
+COLD_OUTPUT_TOKENS = 256
+#: ... as long as the quantile the recompute's cost asks for is at most this one
+COLD_QUANTILE = 0.9
 
 
 @dataclass(eq=False)
@@ -92,6 +101,8 @@ class AdmissionController:
         reservation: ReservationMode = ReservationMode.worst_case,
         expected_quantile: float = 0.95,
         expected_prior: float = 1.0,
+        risk_steps: float = 1.0,
+        tpot_target: float | None = None,
         stale_after: float = 5.0,
         stale_policy: StalePolicy = StalePolicy.open,
         clock: Callable[[], float] = time.monotonic,
@@ -104,6 +115,9 @@ class AdmissionController:
         self.stale_after = stale_after
         self.stale_policy = StalePolicy(stale_policy)
         self.learner = LengthLearner(expected_quantile, prior=expected_prior, clock=clock)
+        self.risk_steps = risk_steps  # adaptive mode: decode steps of recompute a request risks
+        self.tpot_target = tpot_target  # seconds per decode step the running requests keep
+        self._held_by_latency = False  # the last placement failed on the step time alone
         self._clock = clock
         self.pools: list[Pool] = [self._new_pool("", ledger)]
         self._retired: dict[str, Pool] = {}  # pools of engines gone, until their requests end
@@ -166,7 +180,13 @@ class AdmissionController:
         preempted = sum(
             pool.view.update(part) for pool, part in zip(self.pools, parts, strict=True)
         )
-        if preempted and self.reservation_mode is ReservationMode.expected:
+        if self.reservation_mode is not ReservationMode.worst_case and snap.generation_lengths:
+            if self.learner.seed(snap.generation_lengths):
+                log.info(
+                    "answer lengths: %d taken from vLLM's history (vllm:request_generation_tokens)",
+                    self.learner.seeded,
+                )
+        if preempted and self.reservation_mode is not ReservationMode.worst_case:
             self.learner.tighten()
             log.warning("vLLM preempted; expected-mode reservations tightened")
         self.pump()
@@ -220,20 +240,63 @@ class AdmissionController:
             committed_blocks(in_flight_peak(p.ledger), self._state(p, stale)) for p in self.pools
         )
 
-    def ends(self, projection: Projection, klass: str = "") -> tuple[int, ...]:
-        """Output tokens to reserve per sequence, per prompt, in the configured mode."""
-        if self.reservation_mode is ReservationMode.worst_case:
+    def ends(
+        self, projection: Projection, klass: str = "", costs: EngineCosts | None = None
+    ) -> tuple[int, ...]:
+        """Output tokens to reserve per sequence, per prompt, in the configured mode (``costs``:
+        the engine's, for adaptive mode; the first pool's when not given)."""
+        mode = self.reservation_mode
+        if mode is ReservationMode.worst_case:
             return projection.max_tokens
-        return tuple(self.learner.end(klass, m) for m in projection.max_tokens)
+        if mode is ReservationMode.expected:
+            return tuple(self.learner.end(klass, m) for m in projection.max_tokens)
+        engine = costs if costs is not None else self.pools[0].view.costs
+        return tuple(
+            self._adaptive_end(klass, p, m, engine)
+            for p, m in zip(projection.prompt_tokens, projection.max_tokens, strict=True)
+        )
+
+    def _adaptive_end(
+        self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts
+    ) -> int:
+        """The length quantile whose recompute risk is at most ``risk_steps`` decode steps
+        (``sidecar.admission.costs``), from the class's answers, else every class's (vLLM's
+        history included); a cold start risks :data:`COLD_OUTPUT_TOKENS` where a recompute is
+        cheap, and ``max_tokens`` where it is not. An answer past its end is expected to run to
+        twice what it has (``Reservation.end``), and vLLM's preemptions widen every end."""
+        likely = min(max_tokens, self.learner.likely(klass) or COLD_OUTPUT_TOKENS)
+        steps = costs.recompute_steps(prompt_tokens + likely)
+        quantile = reserve_quantile(steps, risk_steps=self.risk_steps)
+        if quantile is None:
+            return max_tokens
+        bound = self.learner.bound(klass, quantile)
+        if bound is None:
+            if quantile > COLD_QUANTILE:
+                return max_tokens
+            bound = COLD_OUTPUT_TOKENS
+        return self.learner.boosted(min(bound, max_tokens), max_tokens)
 
     def _fits(self, pool: Pool, candidate: Reservation, stale: bool) -> bool:
-        return fits(
+        if not fits(
             pool.ledger,
             candidate,
             self._state(pool, stale),
             headroom=self.headroom,
             strict=self.reservation_mode is ReservationMode.worst_case,
-        )
+        ):
+            return False
+        if self.tpot_target is not None:
+            running = pool.view.snapshot.running if pool.view.snapshot is not None else 0
+            if not keeps_step_target(
+                pool.view.costs,
+                pool.ledger,
+                candidate,
+                running=running,
+                target_seconds=self.tpot_target,
+            ):
+                self._held_by_latency = True
+                return False
+        return True
 
     # --- placing ----------------------------------------------------------------------------
 
@@ -241,7 +304,7 @@ class AdmissionController:
         return pool.ledger.candidate(
             ask.projection,
             streamed=ask.streamed,
-            ends=self.ends(ask.projection, ask.klass),
+            ends=self.ends(ask.projection, ask.klass, pool.view.costs),
             prefix=ask.prefix,
             klass=ask.klass,
         )
@@ -267,6 +330,7 @@ class AdmissionController:
         """The pool (and candidate) the request fits in now, with its shadows (an unpinnable
         request on several engines must fit in every pool); None when it fits nowhere."""
         stale = self.is_stale()
+        self._held_by_latency = False
         pools = self._eligible(ask, stale)
         if ask.pin is None and not ask.pinnable and len(pools) > 1:
             placed = [(p, self._candidate(p, ask)) for p in pools]
@@ -356,6 +420,12 @@ class AdmissionController:
             reason = Reason.STALE_OPEN if stale else Reason.FITS
             return Decision(Outcome.ADMIT, reason, reservation=self._admit(*placed, ask.key))
         if self.policy is Policy.reject:
+            if self._held_by_latency and not self._queue:
+                return self._refuse(
+                    Reason.LATENCY_TARGET,
+                    "a larger batch would miss the decode-step target (--tpot-target); retry later",
+                    ask,
+                )
             return self._refuse(Reason.KV_CACHE_FULL, "the KV cache is full; retry later", ask)
         if len(self._queue) >= self.max_queue_depth:
             return self._refuse(Reason.QUEUE_FULL, "the admission queue is full; retry later", ask)
@@ -512,6 +582,7 @@ class AdmissionController:
         """The figures summed over the pools."""
         snap = self._snapshot
         stale = self.is_stale()
+        costs = self.pools[0].view.costs.figures()
         worst_case = self.reservation_mode is ReservationMode.worst_case
         peak = committed = worst = reserved = predicted = shared = peaks = in_flight = 0
         at_predicted: int | None = 0
@@ -553,12 +624,24 @@ class AdmissionController:
             in_flight_at_snapshot=at_in_flight,
             preemptions_seen=self.preemptions_seen,
             expected_output_tokens=self._expected_output_tokens(),
+            decode_step_seconds=costs.decode_step_seconds,
+            step_seconds_per_token=costs.step_seconds_per_token,
+            prefill_tokens_per_step=costs.prefill_tokens_per_step,
         )
 
     def _expected_output_tokens(self) -> dict[str, int]:
-        if self.reservation_mode is not ReservationMode.expected:
+        mode = self.reservation_mode
+        if mode is ReservationMode.worst_case:
             return {}
-        return {k: n for k, n in self.learner.classes().items() if n is not None}
+        if mode is ReservationMode.expected:
+            return {k: n for k, n in self.learner.classes().items() if n is not None}
+        costs = self.pools[0].view.costs
+        out = {}
+        for klass in self.learner.classes():
+            (end,) = self.ends(Projection((0,), (UNBOUNDED,), 1, 0, 0), klass, costs)
+            if end < UNBOUNDED:
+                out[klass] = end
+        return out
 
     def fail_queue(self) -> None:
         """Wake every waiter (shutdown): they re-check and leave with their refusal."""

@@ -38,6 +38,7 @@ class Reason(StrEnum):
     OBSERVED = "observed"
     # refused by the gate
     KV_CACHE_FULL = "kv_cache_full"
+    LATENCY_TARGET = "latency_target"  # a larger batch would miss --tpot-target
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
     TOO_LARGE = "too_large"
@@ -63,6 +64,7 @@ class Refusal(NamedTuple):
 #: reason -> (HTTP status, OpenAI error type, error code); bad requests carry their own code
 REFUSALS: dict[Reason, Refusal] = {
     Reason.KV_CACHE_FULL: Refusal(429, "rate_limit_error", "kv_cache_full"),
+    Reason.LATENCY_TARGET: Refusal(429, "rate_limit_error", "latency_target"),
     Reason.QUEUE_FULL: Refusal(429, "rate_limit_error", "queue_full"),
     Reason.QUEUE_TIMEOUT: Refusal(429, "rate_limit_error", "queue_timeout"),
     Reason.TOO_LARGE: Refusal(413, "invalid_request_error", "kv_budget_exceeded"),

@@ -9,6 +9,7 @@ Retry-After).
 
 from __future__ import annotations
 
+from sidecar.admission.costs import EngineCosts
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.ledger import Ledger
 
@@ -27,6 +28,7 @@ class EngineView:
         self.preemptions_seen = 0.0
         self.seconds_per_step: float | None = None  # one decode step of every running sequence
         self.at_snapshot: tuple[int, int] | None = None  # (predicted blocks, in flight)
+        self.costs = EngineCosts()  # the engine's step and recompute costs
 
     def update(self, snap: EngineSnapshot) -> float:
         """Take a new snapshot; returns the preemptions vLLM made since the last one."""
@@ -38,6 +40,7 @@ class EngineView:
             preempted = max(0.0, snap.preemptions_total - prev.preemptions_total)
             self.preemptions_seen += preempted
             self._hidden_progress(prev, snap)
+            self.costs.update(prev, snap)
         self._step_time(prev, snap)
         predicted = self.aligned_prediction(snap)
         self.at_snapshot = (predicted, len(self.ledger))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sidecar.admission.costs import EngineCosts
 from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.trajectory import future_peak
 
@@ -117,3 +118,22 @@ def room_blocks(ledger: Ledger, pool: PoolState, *, headroom: float) -> int:
     is best placed among several pools."""
     budget = budget_blocks(pool.capacity_blocks, headroom) or 0
     return budget - committed_blocks(in_flight_peak(ledger), pool)
+
+
+def keeps_step_target(
+    costs: EngineCosts,
+    ledger: Ledger,
+    candidate: Reservation,
+    *,
+    running: int,
+    target_seconds: float,
+) -> bool:
+    """Whether a decode step stays within ``target_seconds`` with the candidate's sequences
+    added to the batch (vLLM's ``running`` and the ledger's requests not started yet). An empty
+    batch always takes a request, and an unknown step time holds nothing back."""
+    waiting = sum(r.projection.sequences for r in ledger if not r.started)
+    batch = running + waiting
+    if batch == 0:
+        return True
+    step = costs.step_seconds(batch + candidate.projection.sequences)
+    return step is None or step <= target_seconds

@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 #: classes kept at most (a header may name classes: the least recently used is dropped)
 MAX_CLASSES = 256
+#: a length vLLM's histogram only bounds from below (its +Inf bucket): up to max_tokens
+UNBOUNDED = 1 << 31
 #: Retry-After takes an in-flight request to end at this quantile of its class's lengths ...
 LIKELY_QUANTILE = 0.75
 #: ... once the class has this many answers
@@ -100,12 +102,15 @@ class LengthLearner:
         self._window = max(window, self.min_samples)
         self._lengths: dict[str, deque[int]] = {}
         self._bound: dict[str, int | None] = {}  # cached per class, None: not enough samples
+        self._bounds: dict[tuple[str, float], int | None] = {}  # the same at other quantiles
         self._likely: dict[str, int | None] = {}  # the same, for likely()
         self._all: deque[int] = deque(maxlen=self._window)  # every class's, for a cold class
         self._likely_all: int | None = None
         self._likely_all_stale = False
         self._boost = 0.0
         self._boost_at = 0.0
+        self.observed = 0  # answers observed (restored ones included)
+        self.seeded = 0  # lengths taken from vLLM's histogram
         self._half_life = boost_half_life
         self._clock = clock
 
@@ -125,6 +130,8 @@ class LengthLearner:
         self._bound.pop(klass, None)
         self._likely.pop(klass, None)
         self._likely_all_stale = True
+        self._bounds.clear()
+        self.observed += 1
 
     def learned(self, klass: str) -> int | None:
         """The class's length bound, None until it has enough answers."""
@@ -138,6 +145,58 @@ class LengthLearner:
                 bound = sorted(lengths)[rank - 1]
         self._bound[klass] = bound
         return bound
+
+    def bound(self, klass: str, quantile: float) -> int | None:
+        """An upper ``confidence`` bound on the ``quantile`` of the class's lengths, or, while
+        the class has too few answers for it, of every class's (vLLM's own history included,
+        :meth:`seed`); None while neither has enough.
+
+        >>> learner = LengthLearner()
+        >>> for n in range(1, 11):
+        ...     learner.observe("chat:none", 10 * n)
+        >>> learner.bound("chat:none", 0.75), learner.bound("chat:none", 0.95)
+        (100, None)
+        """
+        key = (klass, quantile)
+        if key in self._bounds:
+            return self._bounds[key]
+        bound = self._order_bound(self._lengths.get(klass, ()), quantile)
+        if bound is None:
+            bound = self._order_bound(self._all, quantile)
+        self._bounds[key] = bound
+        return bound
+
+    def _order_bound(self, lengths: deque[int] | tuple[()], quantile: float) -> int | None:
+        if not lengths:
+            return None
+        rank = _order_statistic_rank(len(lengths), quantile, self.confidence)
+        return None if rank is None else sorted(lengths)[rank - 1]
+
+    def seed(self, histogram: tuple[tuple[float, float], ...]) -> int:
+        """Take vLLM's own answer lengths (``vllm:request_generation_tokens``: cumulative counts
+        by upper bound) as every class's history, when nothing is known yet: a sidecar started
+        beside a vLLM that has answered starts from what vLLM has seen. Each bucket stands for
+        its upper bound (the +Inf bucket: up to max_tokens), in proportion, at most the window's
+        worth. Returns the lengths taken (0 when the learner already knows answers)."""
+        if self._all or not histogram:
+            return 0
+        total = histogram[-1][1]
+        if total <= 0:
+            return 0
+        scale = min(1.0, self._window / total)
+        below = 0.0
+        taken = 0
+        for le, cumulative in histogram:
+            count = round((cumulative - below) * scale)
+            below = cumulative
+            length = UNBOUNDED if le == float("inf") else int(le)
+            for _ in range(count):
+                self._all.append(length)
+            taken += count
+        self._likely_all_stale = True
+        self._bounds.clear()
+        self.seeded = taken
+        return taken
 
     def likely(self, klass: str) -> int | None:
         """Where an answer of ``klass`` likely ends: the ``LIKELY_QUANTILE`` of its recent
@@ -172,6 +231,13 @@ class LengthLearner:
         self._boost = min(1.0, max(0.1, self.boost * 2))
         self._boost_at = self._clock()
 
+    def boosted(self, base: int, max_tokens: int) -> int:
+        """``base`` widened by the boost (a share of the gap to ``max_tokens``)."""
+        boost = self.boost
+        if boost:
+            base += math.ceil(boost * (max_tokens - base))
+        return min(max_tokens, max(1, base))
+
     @property
     def boost(self) -> float:
         if self._boost == 0.0:
@@ -183,10 +249,7 @@ class LengthLearner:
         """Output tokens to reserve for one sequence of ``klass`` allowed ``max_tokens``."""
         learned = self.learned(klass)
         base = math.ceil(self.prior * max_tokens) if learned is None else min(learned, max_tokens)
-        boost = self.boost
-        if boost:
-            base += math.ceil(boost * (max_tokens - base))
-        return min(max_tokens, max(1, base))
+        return self.boosted(base, max_tokens)
 
     def export(self) -> dict[str, list[int]]:
         """Every class's recent lengths, oldest first (what :meth:`restore` takes back)."""

@@ -65,6 +65,13 @@ _PREEMPTIONS = "num_preemptions_total"
 _GENERATION_TOKENS = "generation_tokens_total"
 _ITL_SUM = "inter_token_latency_seconds_sum"  # vLLM's histogram of the time between tokens
 _ITL_COUNT = "inter_token_latency_seconds_count"
+#: answers' lengths (a histogram: cumulative counts by upper bound ``le``), what a cold sidecar
+#: takes its first expected lengths from
+_GENERATION_BUCKET = "request_generation_tokens_bucket"
+#: tokens per engine step (a histogram): its count is the steps the engine made, its sum the
+#: tokens they processed (prefill and decode), what a step's cost per token is learned from
+_STEP_TOKENS_SUM = "iteration_tokens_total_sum"
+_STEPS = "iteration_tokens_total_count"
 #: LoRA adapters running and waiting, as labels of a gauge vLLM sets to the time of each update
 #: (old label sets stay, with older times): relayed for the llm-d endpoint picker
 _LORA_INFO = "lora_requests_info"
@@ -83,6 +90,9 @@ _WANTED = frozenset(
         _GENERATION_TOKENS,
         _ITL_SUM,
         _ITL_COUNT,
+        _GENERATION_BUCKET,
+        _STEP_TOKENS_SUM,
+        _STEPS,
         _LORA_INFO,
         *_OLD_NAMES,
     }
@@ -126,6 +136,11 @@ class EngineSnapshot:
     has_cache_config: bool
     inter_token_latency_sum: float = 0.0  # seconds between consecutive tokens of a request,
     inter_token_latency_count: float = 0.0  # summed and counted: a decode step's duration
+    #: ``vllm:request_generation_tokens``: (upper bound, cumulative count) per bucket, +Inf last,
+    #: summed over engines (the lengths of every answer vLLM finished since it started)
+    generation_lengths: tuple[tuple[float, float], ...] = ()
+    steps_total: float = 0.0  # engine steps made since vLLM started
+    step_tokens_total: float = 0.0  # tokens those steps processed (prefill and decode)
     #: the newest ``vllm:lora_requests_info`` sample (its labels and value), when vLLM serves LoRA
     lora_info: tuple[tuple[tuple[str, str], ...], float] | None = None
     engine: str = ""  # vLLM's ``engine`` label, in a per-engine snapshot
@@ -188,6 +203,7 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
     # canonical name -> engine -> labels of the first sample, and summed value
     by_name: dict[str, dict[str, _Sample]] = {}
     lora: tuple[tuple[tuple[str, str], ...], float] | None = None
+    lengths: dict[float, float] = {}  # le -> cumulative count, over engines
     old: dict[str, dict[str, _Sample]] = {}
     for line in lines:
         try:
@@ -199,6 +215,10 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
             if short == _LORA_INFO:
                 if math.isfinite(sample.value) and (lora is None or sample.value > lora[1]):
                     lora = (tuple(sorted(sample.labels.items())), sample.value)
+            elif short == _GENERATION_BUCKET:
+                le = float(sample.labels.get("le", "nan"))
+                if not math.isnan(le) and math.isfinite(sample.value):
+                    lengths[le] = lengths.get(le, 0.0) + sample.value
             elif short in _OLD_NAMES:
                 _add(old.setdefault(_OLD_NAMES[short], {}), sample.labels, sample.value)
             elif short in _WANTED:
@@ -232,6 +252,9 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         generation_tokens_total=_total(by_name, _GENERATION_TOKENS),
         inter_token_latency_sum=_total(by_name, _ITL_SUM),
         inter_token_latency_count=_total(by_name, _ITL_COUNT),
+        generation_lengths=tuple(sorted(lengths.items())),
+        steps_total=_total(by_name, _STEPS),
+        step_tokens_total=_total(by_name, _STEP_TOKENS_SUM),
         cache_dtype=_label_str(first_config, "cache_dtype"),
         prefix_caching=_label_bool(first_config, "enable_prefix_caching"),
         kv_cache_memory_bytes=_label_int(first_config, "kv_cache_memory_bytes"),
@@ -280,6 +303,8 @@ def _engine_snapshot(
         generation_tokens_total=value(_GENERATION_TOKENS),
         inter_token_latency_sum=value(_ITL_SUM),
         inter_token_latency_count=value(_ITL_COUNT),
+        steps_total=value(_STEPS),
+        step_tokens_total=value(_STEP_TOKENS_SUM),
         cache_dtype=_label_str(config, "cache_dtype"),
         prefix_caching=_label_bool(config, "enable_prefix_caching"),
         kv_cache_memory_bytes=_label_int(config, "kv_cache_memory_bytes"),

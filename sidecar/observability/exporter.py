@@ -376,13 +376,38 @@ def ratio_families(state: KVState, exhaustion_seconds: float) -> list[Metric]:
 def expected_output_tokens(state: KVState) -> GaugeMetricFamily:
     family = GaugeMetricFamily(
         f"{PREFIX}_expected_output_tokens",
-        "Output tokens expected mode reserves per sequence for each request class (the learned "
-        "length bound; classes still on the prior are not listed).",
+        "Output tokens reserved per sequence for each request class in expected and adaptive "
+        "modes, for a short prompt (the learned length bound; classes still on the prior are "
+        "not listed).",
         labels=["class"],
     )
     for klass, length in state.expected_output_tokens.items():
         family.add_metric([klass], length)
     return family
+
+
+def cost_families(state: KVState) -> list[Metric]:
+    """The engine's costs as admission learned them (``sidecar.admission.costs``)."""
+    figures: tuple[tuple[str, str, float | None], ...] = (
+        (
+            "engine_decode_step_seconds",
+            "A decode step of vLLM's running batch, as learned from its inter-token latency.",
+            state.decode_step_seconds,
+        ),
+        (
+            "engine_step_seconds_per_token",
+            "What each token processed in a step adds to vLLM's step time (the slope of step time "
+            "against tokens per step, learned from vllm:iteration_tokens_total).",
+            state.step_seconds_per_token,
+        ),
+        (
+            "engine_prefill_tokens_per_step",
+            "Tokens whose recompute (a preemption's prefill) costs one decode step; adaptive "
+            "reservations risk less where it is low.",
+            state.prefill_tokens_per_step,
+        ),
+    )
+    return [_gauge(name, doc, value) for name, doc, value in figures if value is not None]
 
 
 def vllm_info(info: EngineConfig | None) -> InfoMetricFamily:
@@ -446,6 +471,7 @@ class StateCollector(Collector):
         )
         yield _gauge("queue_depth", "Requests waiting in the admission queue.", state.queue_depth)
         yield expected_output_tokens(state)
+        yield from cost_families(state)
         yield _gauge(
             "vllm_metrics_age_seconds",
             "Age of the last good scrape of vLLM's /metrics.",

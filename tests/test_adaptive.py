@@ -1,0 +1,186 @@
+"""Adaptive reservations (``--reservation adaptive``): lengths from the first second (a cold
+floor that grows, vLLM's own history, the learned classes), a quantile chosen by what a
+recompute costs on this engine, and the decode-step target."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sidecar.admission.ask import Ask
+from sidecar.admission.controller import COLD_OUTPUT_TOKENS, AdmissionController
+from sidecar.admission.decisions import Reason
+from sidecar.engine.snapshot import EngineSnapshot
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.ledger import Ledger
+from sidecar.kv.projection import Projection, project_counts
+
+BLOCKS = UniformBlocks(128)
+MAX_MODEL_LEN = 2048
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def snapshot(clock: Clock, **kw: object) -> EngineSnapshot:
+    fields: dict[str, object] = dict(
+        taken_at=clock(),
+        block_size=128,
+        num_gpu_blocks=65,  # 64 usable
+        engines=1,
+        kv_cache_usage=0.0,
+        running=0,
+        preemptions_total=0,
+        generation_tokens_total=0,
+        cache_dtype="auto",
+        prefix_caching=True,
+        kv_cache_memory_bytes=None,
+        has_cache_config=True,
+    )
+    fields.update(kw)
+    return EngineSnapshot(**fields)  # type: ignore[arg-type]
+
+
+def chat(prompt: int, max_tokens: int | None = None) -> Projection:
+    """A chat request; without max_tokens it may run to the end of the context, as in vLLM."""
+    return project_counts(
+        (prompt,), requested_max_tokens=max_tokens, n=1, max_model_len=MAX_MODEL_LEN, blocks=BLOCKS
+    )
+
+
+def controller(clock: Clock, **kw: object) -> AdmissionController:
+    ac = AdmissionController(
+        Ledger(BLOCKS, clock=clock),
+        clock=clock,
+        headroom=0.0,
+        reservation="adaptive",  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
+    ac.on_snapshot(snapshot(clock))
+    return ac
+
+
+def admitted(ac: AdmissionController, projection: Projection, klass: str = "chat:none") -> int:
+    count = 0
+    while (d := ac.try_admit(Ask(projection, streamed=True, klass=klass))) is not None:
+        assert d.admitted, d
+        count += 1
+    return count
+
+
+def test_a_cold_chat_without_max_tokens_is_not_reserved_to_the_end_of_the_context() -> None:
+    """300-token chats without max_tokens on 64 blocks of 128: worst-case reserves each to 2,048
+    tokens (16 blocks: 4 run); a cold adaptive sidecar risks 256 output tokens (5 blocks: 12 run,
+    what vLLM would admit by their prompts and first answer blocks)."""
+    clock = Clock()
+    worst = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.0)
+    worst.on_snapshot(snapshot(clock))
+    assert admitted(worst, chat(300)) == 4
+    ac = controller(clock)
+    assert ac.ends(chat(300), "chat:none") == (COLD_OUTPUT_TOKENS,)
+    assert admitted(ac, chat(300)) == 12
+
+
+def test_an_answer_past_its_cold_floor_is_expected_to_double() -> None:
+    clock = Clock()
+    ac = controller(clock)
+    d = ac.try_admit(Ask(chat(300), streamed=True, klass="chat:none"))
+    assert d is not None and d.reservation is not None
+    res = d.reservation
+    ac.started(res)
+    ac.progressed(res, 400)  # past 256: to twice what it has
+    assert res.end(0) == 800
+
+
+def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_histogram() -> None:
+    """vLLM's vllm:request_generation_tokens at the first scrape: 100 answers of 50-100 tokens
+    and 10 of 100-200. The class takes the 0.75-quantile bound of that history (100: each
+    bucket counts as its upper bound), not the cold floor."""
+    clock = Clock()
+    ac = controller(clock)
+    history = ((20.0, 0.0), (50.0, 0.0), (100.0, 100.0), (200.0, 110.0), (float("inf"), 110.0))
+    ac.on_snapshot(snapshot(clock, generation_lengths=history))
+    assert ac.learner.seeded == 110
+    assert ac.ends(chat(300), "chat:none") == (100,)
+    # its own answers take over once it has enough of them
+    for _ in range(40):
+        ac.learner.observe("chat:none", 180)
+    assert ac.ends(chat(300), "chat:none") == (180,)
+
+
+def test_history_with_answers_past_the_last_bucket_reserves_to_max_tokens() -> None:
+    clock = Clock()
+    ac = controller(clock)
+    ac.on_snapshot(snapshot(clock, generation_lengths=((1000.0, 2.0), (float("inf"), 20.0))))
+    assert ac.ends(chat(300), "chat:none") == (MAX_MODEL_LEN - 300,)
+
+
+def _costly(ac: AdmissionController, clock: Clock, *, per_token: float) -> None:
+    """Teach the controller an engine whose step takes 10 ms + ``per_token`` per token: prefill
+    steps among decode steps, then decode alone long enough for the smoothed decode step
+    (weight 0.2 a scrape) to hold under 1 % of the mixed ones."""
+    prev = snapshot(clock, running=8)
+    ac.on_snapshot(prev)
+    for k in range(32):
+        clock.now += 0.5
+        tokens = 8 + (512 if k % 2 and k < 8 else 0)
+        step = 0.010 + per_token * tokens
+        steps = 0.5 / step
+        prev = dataclasses.replace(
+            prev,
+            taken_at=clock(),
+            steps_total=prev.steps_total + steps,
+            step_tokens_total=prev.step_tokens_total + steps * tokens,
+            inter_token_latency_sum=prev.inter_token_latency_sum + steps * 8 * step,
+            inter_token_latency_count=prev.inter_token_latency_count + steps * 8,
+        )
+        ac.on_snapshot(prev)
+    ac.on_snapshot(dataclasses.replace(prev, running=0, taken_at=clock()))
+
+
+def test_long_prompts_are_held_back_where_a_recompute_is_costly_and_short_ones_are_not() -> None:
+    """On an engine where a prefill token costs 1e-4 s against a 10 ms decode step, a recompute
+    of a 1,500-token prompt and its cold 256 costs ~16 steps: too costly to risk on a guess, so a cold sidecar
+    reserves it to max_tokens; a 100-token prompt costs ~1 step and is risked at the floor."""
+    clock = Clock()
+    ac = controller(clock)
+    _costly(ac, clock, per_token=1e-4)
+    tokens_per_step = ac.state().prefill_tokens_per_step
+    assert tokens_per_step is not None and tokens_per_step < 200
+    assert ac.ends(chat(1500), "chat:none") == (MAX_MODEL_LEN - 1500,)
+    assert ac.ends(chat(100), "chat:none") == (COLD_OUTPUT_TOKENS,)
+    cheap = controller(clock)
+    _costly(cheap, clock, per_token=1e-7)
+    assert cheap.ends(chat(1500), "chat:none") == (COLD_OUTPUT_TOKENS,)
+
+
+def test_a_preemption_widens_adaptive_reservations() -> None:
+    clock = Clock()
+    ac = controller(clock)
+    ac.on_snapshot(snapshot(clock, preemptions_total=1))
+    ac.on_snapshot(snapshot(clock, preemptions_total=2))
+    (end,) = ac.ends(chat(300), "chat:none")
+    assert COLD_OUTPUT_TOKENS < end < MAX_MODEL_LEN - 300
+
+
+def test_the_decode_step_target_holds_a_larger_batch_back() -> None:
+    """--tpot-target 12.1 ms on an engine whose step takes 10 ms + 0.2 ms per sequence: 8
+    running make 11.6 ms; a ninth sequence would make 11.8, a tenth 12.0, an eleventh 12.2 ms."""
+    clock = Clock()
+    ac = controller(clock, tpot_target=0.0121, policy="reject")
+    _costly(ac, clock, per_token=2e-4)
+    ac.on_snapshot(snapshot(clock, running=8))
+    ok = [ac.try_admit(Ask(chat(100, 16), streamed=True)) for _ in range(2)]
+    assert all(d is not None and d.admitted for d in ok)
+    refused = ac.try_admit(Ask(chat(100, 16), streamed=True))
+    assert refused is not None and refused.reason is Reason.LATENCY_TARGET
+    assert refused.retry_after is not None
+    # nothing running: the target holds nothing back
+    empty = controller(clock, tpot_target=0.001, policy="reject")
+    _costly(empty, clock, per_token=2e-4)
+    d = empty.try_admit(Ask(chat(100, 16), streamed=True))
+    assert d is not None and d.admitted
