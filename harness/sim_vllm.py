@@ -22,6 +22,7 @@ Every flag given here wins over those defaults. Its own flags:
     --model-config PATH   a config.json, or a directory holding one
     --sim-step MODE       roofline (default) | manual | SECONDS (a fixed step time)
     --sim-control H:P     the executor's control channel (GET /state, POST /step); manual needs it
+    --sim-dry-run         print the KV pool vLLM would make for these flags (JSON) and exit
 
 A request ends where its ``"vllm_xargs": {"sim_output_tokens": L}`` says (EOS as its L-th
 token), else at ``max_tokens``; see ``harness.sim_executor``.
@@ -153,6 +154,59 @@ def build_command(args: argparse.Namespace, rest: list[str]) -> tuple[list[str],
     return cmd, env
 
 
+def dry_run(argv: list[str]) -> dict[str, object]:
+    """The KV pool this command line would serve, sized by vLLM's own code, without serving.
+
+    Builds vLLM's config from the same flags the server gets (``EngineArgs``, the CPU
+    platform's checks), asks the simulated executor for its KV spec and memory, and lets
+    vLLM's ``get_kv_cache_configs`` make the blocks: what the engine core does at startup, in
+    a second or two after the import. Needs the vLLM venv.
+    """
+    args, rest = parser().parse_known_args(argv)
+    cmd, env = build_command(args, rest)
+    os.environ.update(env)
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    from harness.sim_executor import SimEngine
+
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:])
+    config = AsyncEngineArgs.from_cli_args(ns).create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER
+    )
+    engine = SimEngine(config)
+    try:
+        # the steps of EngineCore._initialize_kv_caches, in its order
+        register_all_kvcache_specs(config)
+        specs = engine.kv_cache_spec()
+        resolve_kv_cache_layout(config, [["LBNHC"]], list(specs.values()))
+        memory = engine.available_kv_cache_memory()
+        (kv_config,) = get_kv_cache_configs(config, [specs], [memory])
+    finally:
+        engine.close()
+    budget = engine.memory_budget()
+    return {
+        "gpu": engine.gpu.name,
+        "tensor_parallel_size": engine.tp,
+        "block_size": config.cache_config.block_size,
+        "num_gpu_blocks": kv_config.num_blocks,
+        "max_model_len": config.model_config.max_model_len,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
+        "kv_cache_memory_bytes": memory,
+        "weights_bytes": budget.weights_bytes,
+        "non_kv_bytes": budget.non_kv_bytes,
+    }
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m harness.sim_vllm",
@@ -162,6 +216,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", required=True, help="config.json (or its directory)")
     p.add_argument("--sim-step", default="roofline", help="roofline | manual | SECONDS")
     p.add_argument("--sim-control", default="", help="HOST:PORT of the step control channel")
+    p.add_argument(
+        "--sim-dry-run",
+        action="store_true",
+        help="print the KV pool vLLM would make (JSON) and exit, serving nothing",
+    )
     return p
 
 
@@ -173,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         parser().error("--sim-step manual needs --sim-control HOST:PORT")
     if not _in_vllm_venv():
         _reexec_in_vllm_venv(argv)
+    if args.sim_dry_run:
+        print(json.dumps(dry_run([a for a in argv if a != "--sim-dry-run"])))
+        return 0
     cmd, env = build_command(args, rest)
     os.execve(cmd[0], cmd, env)
     return 0  # not reached

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -280,3 +281,85 @@ def test_a_burst_over_the_pool_preempts(sim: SimServer) -> None:
     assert demand > 2 * num_blocks
     after = metrics(sim)["vllm:num_preemptions_total"]
     assert after > before
+
+
+#: (config, GPU, tensor parallel, max model len): the pools the issue names, each sized by
+#: vLLM's own code (``python -m harness.sim_vllm --sim-dry-run``), none served
+POOLS = [
+    ("llama-3.1-8b-instruct", "h100-80gb", 1, 8192),
+    ("qwen2.5-7b-instruct", "a100-80gb", 1, 32768),
+    ("llama-3.1-70b-instruct", "h100-80gb", 8, 32768),
+    ("llama-3.1-70b-instruct", "h200-141gb", 4, 32768),
+    ("deepseek-v2-lite-chat", "h200-141gb", 1, 32768),
+]
+
+
+def test_pools_at_scale_agree_with_kv_sidecar_plan() -> None:
+    from harness.vllm_cpu import vllm_python
+
+    argvs = [
+        [
+            "--gpu",
+            g,
+            "--model-config",
+            str(model_config(m)),
+            "-tp",
+            str(tp),
+            "--max-model-len",
+            str(mml),
+        ]
+        for m, g, tp, mml in POOLS
+    ]
+    script = (
+        "import json, sys\n"
+        "from harness.sim_vllm import dry_run\n"
+        "print('SIM-POOLS ' + json.dumps([dry_run(a) for a in json.loads(sys.argv[1])]))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [str(vllm_python()), "-c", script, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("SIM-POOLS ")]
+    pools = json.loads(line.removeprefix("SIM-POOLS "))
+    for (model, gpu_name, tp, mml), pool in zip(POOLS, pools, strict=True):
+        spec = gpu(gpu_name)
+        assert pool["block_size"] == BLOCK
+        assert pool["max_num_batched_tokens"] == spec.default_max_num_batched_tokens
+        assert pool["max_num_seqs"] == spec.default_max_num_seqs
+        plan = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "plan",
+                "--model-config",
+                str(model_config(model)),
+                "-tp",
+                str(tp),
+                "--max-model-len",
+                str(mml),
+                "--block-size",
+                str(BLOCK),
+                "--gpu-memory-gib",
+                repr(spec.memory_gib),
+                "--gpu-memory-utilization",
+                str(pool["gpu_memory_utilization"]),
+                "--weights-gib",
+                repr(pool["non_kv_bytes"] / GIB),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=root,
+        )
+        figures = json.loads(plan.stdout)
+        assert pool["num_gpu_blocks"] == figures["num_blocks"], (model, gpu_name, tp)
+        # at the scale users run: tens of thousands of blocks
+        assert pool["num_gpu_blocks"] > 20_000, (model, gpu_name, tp, pool)
