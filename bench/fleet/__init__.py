@@ -1,0 +1,39 @@
+"""Two vLLM replicas behind nginx: what the sidecars change for a fleet.
+
+    python -m bench.fleet                # 3 interleaved repetitions (about 30 minutes)
+    python -m bench.fleet --quick        # small burst, 1 repetition (a smoke run)
+    python -m bench.fleet --report-only  # figures, charts and report from fleet-raw.json
+
+Two vLLM servers (CPU build, the generated model, a small KV pool each) sit behind one nginx,
+the engine of ingress-nginx, that spreads requests over them by weighted round-robin (weight 3
+for replica A, 1 for replica B: the arrivals are uneven) and retries the other replica on
+``error timeout http_429 http_503 non_idempotent`` with ``proxy_next_upstream_tries 2``. The
+same skewed burst of long streamed completions (more of them than one replica's pool holds, all
+sent at once) goes through three configurations:
+
+- ``direct``: nginx straight to the two vLLMs;
+- ``sidecar-queue``: nginx to one sidecar per vLLM, ``--policy queue`` (a request that does not
+  fit waits in its replica's sidecar);
+- ``sidecar-reject``: nginx to one sidecar per vLLM, ``--policy reject``: a refused request is
+  sent by nginx to the other replica; when both refuse, the client gets the 429 and retries after
+  its ``retry-after-ms`` / ``Retry-After`` (at most ``MAX_ATTEMPTS`` attempts).
+
+The nginx configuration is the same in all three (the retry directives only act on 429, 503 and
+errors). Figures per replica: vLLM's preemptions, requests served (nginx's access log: the
+upstream that answered 200), generated tokens (vLLM's counter), TTFT and end-to-end p50/p99 of
+the answers it served, vLLM's queue time and the sidecar's queue wait. Per configuration:
+goodput (completed output tokens per second from the burst to the last answer), TTFT and E2E
+p50/p99 over every answer of a repetition, the 429s the client saw, the 429s nginx absorbed by
+retrying the other replica, and every answer's wait before its first token (counted from the
+client's first attempt: queueing, refusals and sleeps included). Each configuration runs
+``--repeat`` times, interleaved in a rotating order; the report gives medians over repetitions
+and every repetition's value.
+
+Writes ``bench/results/fleet-raw.json`` (every request, every nginx log line, every sample),
+``bench/results/fleet.json`` (figures), ``bench/results/fleet-timeline.png`` and
+``fleet-summary.png``, and the fleet section of ``BENCHMARKS.md`` (full runs only).
+"""
+
+# The package: ``run`` is the fleet (two vLLMs, their sidecars, nginx) and the client's burst,
+# ``figures`` reads the outcomes and nginx's log into figures, ``report`` draws the charts and
+# writes the section, ``cli`` is the command line (``python -m bench.fleet``).

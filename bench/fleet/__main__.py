@@ -1,0 +1,3 @@
+from bench.fleet.cli import main
+
+main()

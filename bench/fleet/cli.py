@@ -1,0 +1,158 @@
+"""``python -m bench.fleet``: the command line, and the figures, charts and report made from the
+raw runs (``--report-only`` starts there)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import time
+from typing import Any
+
+import bench.fleet
+from bench.common import nginx_binary, rotate, warm_up_vllm
+from bench.fleet.figures import aggregate, figures
+from bench.fleet.report import charts, report
+from bench.fleet.run import (
+    BLOCK_SIZE,
+    CONFIGS,
+    FULL_SIZE,
+    MAX_ATTEMPTS,
+    NUM_GPU_BLOCKS,
+    QUICK_SIZE,
+    WEIGHTS,
+    run_config,
+    start_vllms,
+)
+from harness.bench_util import (
+    RESULTS,
+    ROOT,
+    load_average,
+    machine,
+    progress,
+    update_section,
+    write_json,
+)
+from harness.vllm_cpu import VLLM_CPU_VERSION, ensure_model
+from harness.workload import make_prompts
+
+
+def finish(raw: dict[str, Any], write_report: bool) -> dict[str, Any]:
+    suffix = "-quick" if raw["quick"] else ""
+    figs: dict[str, dict[str, Any]] = {}
+    for config in CONFIGS:
+        runs = sorted(raw["runs"].get(config, []), key=lambda r: r["repetition"])
+        if runs:
+            figs[config] = aggregate([figures(r) for r in runs])
+    pngs = charts(raw, figs, suffix)
+    write_json(
+        "fleet" + suffix,
+        {k: v for k, v in raw.items() if k != "runs"} | {"figures": figs, "charts": pngs},
+    )
+    text = report(raw, figs, pngs)
+    print(text)
+    if write_report and not raw["quick"] and set(figs) == set(CONFIGS):
+        update_section(ROOT / "BENCHMARKS.md", "fleet", text)
+    return figs
+
+
+def measure(raw: dict[str, Any], configs: list[str], prompts: list[str], started: float) -> None:
+    """Every repetition of every configuration, in rotating order, into ``raw["runs"]`` (the raw
+    file rewritten after each run, so an interrupted run keeps what it made)."""
+    suffix = "-quick" if raw["quick"] else ""
+    max_tokens = raw["size"][2]
+    vllms = start_vllms()
+    try:
+        for name, v in vllms.items():
+            block = v.cache_config().get("block_size")
+            if block is not None and int(block) != BLOCK_SIZE:
+                raise RuntimeError(f"replica {name}: block size {block}, expected {BLOCK_SIZE}")
+            progress(f"fleet: warming replica {name} up")
+            warm_up_vllm(v.url)
+        plan = [(rep, c) for rep in range(raw["repeat"]) for c in rotate(configs, rep)]
+        for i, (rep, config) in enumerate(plan, 1):
+            load = " ".join(f"{x:.1f}" for x in load_average())
+            progress(f"fleet: run {i}/{len(plan)}: {config}, repetition {rep + 1} (load {load})")
+            try:
+                run = run_config(config, vllms, prompts, max_tokens)
+            except Exception as exc:  # one broken run must not end the others
+                progress(f"fleet: {config} FAILED: {exc!r}")
+                continue
+            run["repetition"] = rep
+            run["load_average"] = [round(x, 2) for x in load_average()]
+            f = figures(run)
+            progress(
+                f"fleet: {config}: preemptions A {f['replicas']['A']['preemptions']:.0f} "
+                f"B {f['replicas']['B']['preemptions']:.0f}, served A "
+                f"{f['replicas']['A']['served']} B {f['replicas']['B']['served']}, "
+                f"{f['completed']}/{f['requests']} completed, goodput {f['goodput_tps']:.0f} "
+                f"tok/s, TTFT p99 {f['ttft_p99']:.1f} s, client 429s {f['client_429']}, "
+                f"{f['seconds']:.0f} s"
+            )
+            raw["runs"].setdefault(config, []).append(run)
+            raw["minutes"] = (time.monotonic() - started) / 60
+            write_json(f"fleet{suffix}-raw", raw)
+    finally:
+        for v in vllms.values():
+            v.stop()
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fleet",
+        description=bench.fleet.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="small burst, 1 repetition")
+    parser.add_argument("--repeat", type=int, default=None, help="repetitions (default 3; quick 1)")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--no-report", action="store_true", help="do not touch BENCHMARKS.md")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="redo figures, charts and report from bench/results/fleet-raw.json",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    cli = parser()
+    args = cli.parse_args(argv)
+    suffix = "-quick" if args.quick else ""
+    if args.report_only:
+        stored = json.loads((RESULTS / f"fleet{suffix}-raw.json").read_text())
+        return finish(stored, not args.no_report)
+    configs = [c for c in args.configs.split(",") if c]
+    for c in configs:
+        if c not in CONFIGS:
+            cli.error(f"unknown configuration {c}; one of {', '.join(CONFIGS)}")
+    repeat = args.repeat or (1 if args.quick else 3)
+    count, prompt_tokens, max_tokens = QUICK_SIZE if args.quick else FULL_SIZE
+    nginx_version = subprocess.run(
+        [nginx_binary(), "-v"], capture_output=True, text=True
+    ).stderr.strip()
+    info = machine()
+    started = time.monotonic()
+    model = ensure_model()
+    prompts = make_prompts(model, count, prompt_tokens, seed=97)
+    raw: dict[str, Any] = {
+        "machine": info,
+        "quick": args.quick,
+        "vllm": f"{VLLM_CPU_VERSION} (CPU build)",
+        "nginx_version": re.sub(r"^nginx version: ", "", nginx_version),
+        "size": [count, prompt_tokens, max_tokens],
+        "repeat": repeat,
+        "weights": WEIGHTS,
+        "num_gpu_blocks": NUM_GPU_BLOCKS,
+        "max_attempts": MAX_ATTEMPTS,
+        "runs": {},
+        "minutes": 0.0,
+    }
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache between runs
+    measure(raw, configs, prompts, started)
+    raw["load_average_after"] = [round(x, 2) for x in load_average()]
+    raw["minutes"] = (time.monotonic() - started) / 60
+    write_json(f"fleet{suffix}-raw", raw)
+    return finish(raw, not args.no_report)

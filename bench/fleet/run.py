@@ -1,0 +1,343 @@
+"""The fleet benchmark's run: two vLLM servers, a sidecar in front of each (or none), one nginx
+over them, and a burst of streamed completions from a client that retries as openai's does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.common import (
+    Nginx,
+    nginx_user,
+    queue_flags,
+    read_vllm,
+    reset_prefix_cache,
+    retry_delay,
+    wait_idle,
+    wait_tokenizer,
+)
+from harness.bench_util import progress
+from harness.exposition import metric_value
+from harness.vllm_cpu import VllmServer
+from harness.workload import SidecarProcess, vllm_preemptions
+
+NUM_GPU_BLOCKS = 32
+BLOCK_SIZE = 128  # the CPU backend's (checked against vllm:cache_config_info at start)
+MAX_MODEL_LEN = 1024
+CAPACITY_BLOCKS = NUM_GPU_BLOCKS - 1  # vLLM keeps one null block
+WEIGHTS = {"A": 3, "B": 1}  # nginx upstream weights: arrivals 3:1
+NGINX_TRIES = 2
+MAX_ATTEMPTS = 30  # the client's attempts per request (a 429 or 503 after the last: it gives up)
+REQUEST_DEADLINE_S = 900.0
+CONFIGS = ["direct", "sidecar-queue", "sidecar-reject"]
+FULL_SIZE = (24, 271, 700)  # requests, prompt tokens, max_tokens (ignore_eos)
+QUICK_SIZE = (10, 271, 400)
+
+NGINX_CONF = """\
+@USER@worker_processes 1;
+daemon off;
+master_process on;
+pid @DIR@/nginx.pid;
+error_log @DIR@/error.log warn;
+events { worker_connections 4096; }
+http {
+    log_format fleet escape=json '{"id":"$http_x_bench_id","status":"$status",'
+        '"upstream":"$upstream_addr","upstream_status":"$upstream_status",'
+        '"request_time":"$request_time","upstream_header_time":"$upstream_header_time"}';
+    access_log @DIR@/access.log fleet;
+    client_body_temp_path @DIR@/body;
+    proxy_temp_path @DIR@/proxy;
+    fastcgi_temp_path @DIR@/fastcgi;
+    uwsgi_temp_path @DIR@/uwsgi;
+    scgi_temp_path @DIR@/scgi;
+    upstream fleet {
+        # max_fails=0: with http_429 in proxy_next_upstream a refusal would otherwise count as a
+        # failure (max_fails 1 in 10 s by default) and take the replica out for 10 s
+        server 127.0.0.1:@PORT_A@ weight=@WEIGHT_A@ max_fails=0;
+        server 127.0.0.1:@PORT_B@ weight=@WEIGHT_B@ max_fails=0;
+        keepalive 64;
+    }
+    server {
+        listen 127.0.0.1:@PORT@;
+        location / {
+            proxy_pass http://fleet;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering on;
+            proxy_next_upstream error timeout http_429 http_503 non_idempotent;
+            proxy_next_upstream_tries @TRIES@;
+            proxy_connect_timeout 5s;
+            proxy_read_timeout 900s;
+            proxy_send_timeout 900s;
+        }
+    }
+}
+"""
+
+
+def nginx_conf(directory: Path, port: int, port_a: int, port_b: int) -> str:
+    values = {
+        "@USER@": nginx_user(),
+        "@DIR@": str(directory),
+        "@PORT@": str(port),
+        "@PORT_A@": str(port_a),
+        "@PORT_B@": str(port_b),
+        "@WEIGHT_A@": str(WEIGHTS["A"]),
+        "@WEIGHT_B@": str(WEIGHTS["B"]),
+        "@TRIES@": str(NGINX_TRIES),
+    }
+    text = NGINX_CONF
+    for key, value in values.items():
+        text = text.replace(key, value)
+    return text
+
+
+def start_nginx(port_a: int, port_b: int) -> Nginx:
+    """nginx over replica A's port and B's, with the fleet's configuration."""
+    return Nginx(
+        lambda d, port: nginx_conf(d, port, port_a, port_b), ready_path="/v1/models"
+    ).start()
+
+
+# --- the client ---------------------------------------------------------------------------------
+
+
+async def one(
+    client: httpx.AsyncClient,
+    url: str,
+    index: int,
+    prompt: str,
+    max_tokens: int,
+    t0: float,
+    rng: random.Random,
+) -> dict[str, Any]:
+    """One streamed completion through nginx, retried after 429/503 as the openai client does
+    (its ``retry-after-ms`` / ``Retry-After``), at most ``MAX_ATTEMPTS`` attempts."""
+    out: dict[str, Any] = {
+        "id": index,
+        "status": 0,
+        "ttft": None,
+        "e2e": None,
+        "completion_tokens": 0,
+        "attempts": 0,
+        "client_429": 0,
+        "client_503": 0,
+        "retry_sleep": 0.0,
+        "retry_after": [],  # the delay the client slept after each refusal
+        "error": "",
+    }
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,  # every answer runs to max_tokens; no "seed" (see admission.py)
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    refusals = 0
+    while True:
+        out["attempts"] += 1
+        try:
+            async with client.stream(
+                "POST",
+                url + "/v1/completions",
+                json=body,
+                headers={"x-bench-id": str(index)},
+            ) as resp:
+                if resp.status_code in (429, 503):
+                    await resp.aread()
+                    refusals += 1
+                    out[f"client_{resp.status_code}"] += 1
+                    delay = retry_delay(resp.headers, refusals, rng)
+                    late = time.monotonic() + delay - t0 > REQUEST_DEADLINE_S
+                    if out["attempts"] >= MAX_ATTEMPTS or late:
+                        out["status"] = resp.status_code
+                        out["error"] = "gave up"
+                        return out
+                    out["retry_after"].append(round(delay, 3))
+                    out["retry_sleep"] += delay
+                    await asyncio.sleep(delay)
+                    continue
+                if resp.status_code != 200:
+                    out["status"] = resp.status_code
+                    out["error"] = (await resp.aread()).decode(errors="replace")[:300]
+                    return out
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    if out["ttft"] is None:
+                        out["ttft"] = time.monotonic() - t0
+                    if '"usage":{' in line or '"usage": {' in line:
+                        usage = json.loads(line[6:]).get("usage") or {}
+                        out["completion_tokens"] = int(usage.get("completion_tokens", 0))
+                out["status"] = 200
+                out["e2e"] = time.monotonic() - t0
+                return out
+        except (httpx.HTTPError, ValueError) as exc:
+            out["status"] = 0
+            out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            return out
+
+
+async def burst(
+    url: str, prompts: list[str], max_tokens: int
+) -> tuple[list[dict[str, Any]], float]:
+    """Every prompt sent at once through ``url``; the outcomes and the seconds to the last."""
+    rng = random.Random(5)
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(REQUEST_DEADLINE_S, connect=10), limits=limits, trust_env=False
+    ) as client:
+        t0 = time.monotonic()
+        outcomes = await asyncio.gather(
+            *(one(client, url, i, p, max_tokens, t0, rng) for i, p in enumerate(prompts))
+        )
+        return list(outcomes), time.monotonic() - t0
+
+
+# --- sampling and counters ----------------------------------------------------------------------
+
+
+def sampler(
+    replicas: dict[str, str],
+    sidecars: dict[str, SidecarProcess],
+    samples: list[dict[str, Any]],
+    stop: threading.Event,
+) -> None:
+    """Every 0.5 s: each vLLM's KV use, running, waiting, preemptions; each sidecar's queue."""
+    t0 = time.monotonic()
+    with httpx.Client(timeout=5, trust_env=False) as client:
+        while not stop.is_set():
+            row: dict[str, Any] = {"t": round(time.monotonic() - t0, 2)}
+            for name, url in replicas.items():
+                with contextlib.suppress(httpx.HTTPError):
+                    row[name] = read_vllm(client.get(url + "/metrics").text)
+                sc = sidecars.get(name)
+                if sc is not None and name in row:
+                    with contextlib.suppress(httpx.HTTPError, ValueError):
+                        state = client.get(sc.metrics_url + "/state").json()
+                        row[name]["sidecar"] = {
+                            k: state.get(k) for k in ("queue_depth", "in_flight", "reserved_blocks")
+                        }
+            samples.append(row)
+            stop.wait(0.5)
+
+
+_COUNTERS = (
+    "vllm:request_success_total",
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_queue_time_seconds_count",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+)
+
+
+def vllm_counters(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {name: metric_value(text, name) or 0.0 for name in _COUNTERS}
+
+
+def sidecar_counters(sidecar: SidecarProcess) -> dict[str, Any]:
+    text = sidecar.metrics()
+    decisions = {
+        f"{s.labels.get('decision')}/{s.labels.get('reason')}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kv_sidecar_requests_total"
+    }
+    return {
+        "queue_wait_sum": metric_value(text, "kv_sidecar_queue_wait_seconds_sum"),
+        "queue_wait_count": metric_value(text, "kv_sidecar_queue_wait_seconds_count"),
+        "requests_by_reason": decisions,
+    }
+
+
+# --- one run ------------------------------------------------------------------------------------
+
+
+def run_config(
+    config: str, vllms: dict[str, VllmServer], prompts: list[str], max_tokens: int
+) -> dict[str, Any]:
+    urls = {name: v.url for name, v in vllms.items()}
+    wait_idle(*urls.values(), timeout=180.0)
+    for url in urls.values():
+        reset_prefix_cache(url)
+    preempt_before = {n: vllm_preemptions(u) for n, u in urls.items()}
+    before = {n: vllm_counters(u) for n, u in urls.items()}
+    sidecars: dict[str, SidecarProcess] = {}
+    nginx: Nginx | None = None
+    samples: list[dict[str, Any]] = []
+    stop = threading.Event()
+    thread: threading.Thread | None = None
+    try:
+        if config.startswith("sidecar-"):
+            for name, url in urls.items():
+                flags = queue_flags(config.removeprefix("sidecar-"))
+                sidecars[name] = SidecarProcess(url, *flags).start()
+            for sc in sidecars.values():
+                wait_tokenizer(sc)
+            backends = {n: sc.port for n, sc in sidecars.items()}
+        else:
+            backends = {n: v.port for n, v in vllms.items()}
+        nginx = start_nginx(backends["A"], backends["B"])
+        port_to_replica = {f"127.0.0.1:{p}": n for n, p in backends.items()}
+        thread = threading.Thread(target=sampler, args=(urls, sidecars, samples, stop), daemon=True)
+        thread.start()
+        outcomes, seconds = asyncio.run(burst(nginx.url, prompts, max_tokens))
+        stop.set()
+        thread.join()
+        time.sleep(0.5)  # nginx writes a log line when the answer ends
+        log = nginx.access_log()
+        sidecar_figs = {n: sidecar_counters(sc) for n, sc in sidecars.items()}
+        conf_text = nginx.conf.read_text()
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join()
+        if nginx is not None:
+            nginx.stop()
+        for sc in sidecars.values():
+            sc.stop()
+    preempt_after = {n: vllm_preemptions(u) for n, u in urls.items()}
+    after = {n: vllm_counters(u) for n, u in urls.items()}
+    return {
+        "config": config,
+        "seconds": seconds,
+        "outcomes": outcomes,
+        "nginx_log": log,
+        "nginx_conf": conf_text,
+        "port_to_replica": port_to_replica,
+        "samples": samples,
+        "preemptions": {n: preempt_after[n] - preempt_before[n] for n in urls},
+        "vllm_counters": {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in urls},
+        "sidecars": sidecar_figs,
+    }
+
+
+def start_vllms() -> dict[str, VllmServer]:
+    """Both servers, started one after the other (two at once on two cores is slower to fail)."""
+    vllms: dict[str, VllmServer] = {}
+    try:
+        for name in WEIGHTS:
+            progress(f"fleet: starting vLLM replica {name} (a minute or two)")
+            vllms[name] = VllmServer(
+                num_gpu_blocks=NUM_GPU_BLOCKS, max_model_len=MAX_MODEL_LEN
+            ).start()
+    except BaseException:
+        for v in vllms.values():
+            v.stop()
+        raise
+    return vllms
