@@ -1,8 +1,10 @@
 """Learned answer lengths across restarts (``--lengths-file``): the learner's export and
-restore, the file's failure modes, and a real sidecar process that restarts knowing them."""
+restore, the file's failure modes, the saver a running sidecar keeps (restored once, written
+periodically and at shutdown), and a real sidecar process that restarts knowing them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
@@ -52,6 +54,43 @@ def test_a_missing_corrupt_or_foreign_file_restores_nothing(
     assert lengths_file.load(odd, learner, model="tiny") == 1  # only the integer is taken
     assert learner.export() == {"a": [1]}
     assert list(tmp_path.glob(".*")) == []  # no temporary file left behind
+
+
+async def test_the_saver_restores_once_and_writes_until_it_stops(tmp_path: Path) -> None:
+    path = tmp_path / "lengths.json"
+    source = LengthLearner()
+    source.observe("chat:none", 30)
+    lengths_file.save(path, source, model="tiny")
+    learner = LengthLearner()
+    saver = lengths_file.LengthsSaver(path, learner, interval_seconds=0.05)
+    saver.start()
+    saver.save()  # the model is not known yet: nothing written
+    assert json.loads(path.read_text())["classes"] == {"chat:none": [30]}
+    assert saver.restore("tiny") == 1
+    assert saver.restore("tiny") == 0  # a rediscovery: not read again
+    learner.observe("chat:none", 31)
+    for _ in range(100):  # the periodic write
+        await asyncio.sleep(0.02)
+        if json.loads(path.read_text())["classes"]["chat:none"] == [30, 31]:
+            break
+    else:
+        raise AssertionError("not written within 2 s")
+    learner.observe("chat:none", 32)
+    await saver.stop()  # the last write
+    assert json.loads(path.read_text())["classes"]["chat:none"] == [30, 31, 32]
+    learner.observe("chat:none", 33)
+    await asyncio.sleep(0.15)
+    assert json.loads(path.read_text())["classes"]["chat:none"] == [30, 31, 32]  # stopped
+
+
+async def test_a_saver_that_cannot_write_logs_and_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    saver = lengths_file.LengthsSaver(tmp_path / "absent" / "lengths.json", LengthLearner())
+    assert saver.restore("tiny") == 0  # no file yet: a fresh start
+    with caplog.at_level(logging.WARNING):
+        await saver.stop()
+    assert "could not write the lengths file" in caplog.text
 
 
 def learned(sc: SidecarProcess, klass: str) -> float | None:
