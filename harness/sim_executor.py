@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import numpy as np
 from vllm.logger import init_logger
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -65,7 +66,7 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 
 from harness import sim_cost
 from harness.gpus import GpuSpec, gpu
@@ -80,6 +81,10 @@ ENV_TOKEN = "KV_SIDECAR_SIM_TOKEN_ID"
 #: The key in a request's sampling ``extra_args`` (OpenAI ``vllm_xargs``) giving its length.
 OUTPUT_TOKENS_KEY = "sim_output_tokens"
 DEFAULT_TOKEN_ID = 100
+#: Log-probs asked for are answered with the sampled token at 0 and the rest at this value
+#: (finite: OpenAI's JSON has no -inf), at most this many alternatives.
+FILLER_LOGPROB = -100.0
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -92,6 +97,7 @@ class _Seq:
     target_tokens: int | None
     eos_token_id: int | None
     min_tokens: int
+    num_logprobs: int | None = None
 
 
 @dataclass
@@ -291,13 +297,18 @@ class SimEngine:
             sp = new.sampling_params
             extra = (sp.extra_args or {}) if sp is not None else {}
             target = extra.get(OUTPUT_TOKENS_KEY)
+            prompt = new.prompt_len
+            # vLLM's model runner V2 resends a resumed (preempted) request as a new one whose
+            # prefill_token_ids hold the prompt and what it had generated
+            total = len(new.prefill_token_ids) if new.prefill_token_ids is not None else prompt
             self.seqs[new.req_id] = _Seq(
-                prompt_tokens=len(new.prompt_token_ids or ()),
-                output_tokens=0,
+                prompt_tokens=prompt,
+                output_tokens=max(0, total - prompt),
                 computed_tokens=new.num_computed_tokens,
                 target_tokens=int(target) if target is not None else None,
                 eos_token_id=sp.eos_token_id if sp is not None else None,
                 min_tokens=sp.min_tokens if sp is not None else 0,
+                num_logprobs=sp.logprobs if sp is not None else None,
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -350,7 +361,32 @@ class SimEngine:
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            logprobs=self._logprobs(req_ids, sampled),
         )
+
+    def _logprobs(self, req_ids: list[str], sampled: list[list[int]]) -> LogprobsLists | None:
+        """Log-probs for the requests that asked (one row per request, as the GPU sampler
+        makes them): the sampled token at log-prob 0 and rank 1, neighbours of the filler token
+        as the alternatives."""
+        asked = [self.seqs[r].num_logprobs for r in req_ids]
+        if all(k is None for k in asked):
+            return None
+        # -1 asks for the whole vocabulary: capped like any other
+        width = 1 + max(
+            MAX_LOGPROBS if k < 0 else min(k, MAX_LOGPROBS) for k in asked if k is not None
+        )
+        # alternatives: ids next to the filler token, never the sampled one itself (the
+        # server keys top log-probs by token id)
+        ids = np.empty((len(req_ids), width), dtype=np.int64)
+        logprobs = np.full((len(req_ids), width), FILLER_LOGPROB, dtype=np.float32)
+        for i, tokens in enumerate(sampled):
+            first = tokens[0] if tokens else self.token_id
+            others = [t for t in range(self.token_id - width, self.token_id + width) if t != first]
+            ids[i, 0] = first
+            ids[i, 1:] = others[: width - 1]
+            logprobs[i, 0] = 0.0
+        ranks = np.ones(len(req_ids), dtype=np.int64)
+        return LogprobsLists(ids, logprobs, ranks)
 
     def _sleep(self, arrived: float, model_seconds: float) -> float:
         """Sleep this step's time; return the simulated seconds it took.

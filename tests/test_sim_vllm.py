@@ -112,6 +112,13 @@ def test_a_request_ends_where_the_workload_says(
     assert answer["choices"][0]["finish_reason"] == finish
 
 
+def test_log_probs_come_back_for_the_tokens_sampled(sim: SimServer) -> None:
+    answer = complete(sim, max_tokens=4, logprobs=2, vllm_xargs={"sim_output_tokens": 50})
+    lp = answer["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [0.0] * 4
+    assert all(len(top) == 3 for top in lp["top_logprobs"])
+
+
 def test_a_streamed_chat_ends_at_its_length(sim: SimServer) -> None:
     body = {
         "model": sim.served_name,
