@@ -1,47 +1,45 @@
-"""The composition root: build the parts, wire them, serve two ports, handle signals and drain.
+"""The composition root: build the parts once, wire them, and serve them.
 
-:class:`Sidecar` builds the long-lived parts once (the transports to vLLM, the scraper, the
-health monitor, the ledger and admission controller, the metrics registry, the proxy and ops
-apps) and swaps in the engine when discovery finds it (``sidecar.engine.discovery``; the loop
-that retries it stays here, as it wires the prompt counter and the admission controller to what
-was found). :func:`serve` runs the proxy port and the metrics port on one loop and handles
-SIGTERM: not ready at once, new generation requests refused with 503, in-flight and startable
-queued requests given ``--drain-timeout`` to finish, then exit 0."""
+:class:`Sidecar` builds the long-lived parts (the transports to vLLM, the scraper, the health
+monitor, the ledger and admission controller, the metrics registry, the proxy and ops apps, and,
+with relay workers, the admission owner they ask) and wires them: each scrape goes to admission
+and the exporter, the engine that discovery finds (``sidecar.http.engine_setup``) to admission
+and the proxy, learned lengths to their file (``sidecar.admission.lengths_file``). :func:`serve`
+runs the proxy port and the metrics port on one loop, or (``--workers`` above 1) the metrics port
+here and the proxy port in relay worker processes; both end by the one sequence of
+``sidecar.http.lifecycle``: on SIGTERM not ready at once, new generation requests refused with
+503, in-flight and startable queued requests given ``--drain-timeout`` to finish, then exit 0; a
+configuration error no retry can mend (a garbled ``--model-config``) ends it too, raised for the
+CLI to print."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import signal
-import tempfile
-import time
-from collections.abc import Callable, Iterable
-from pathlib import Path
 
-import httpx
 from prometheus_client import CollectorRegistry
 
-from sidecar.admission import lengths_file
 from sidecar.admission.controller import AdmissionController
+from sidecar.admission.lengths_file import LengthsSaver
 from sidecar.config import Settings
 from sidecar.counting import PromptCounter
-from sidecar.engine.discovery import discover
+from sidecar.engine.discovery import EngineConfig
 from sidecar.engine.health import HealthMonitor
 from sidecar.engine.scraper import Scraper
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.errors import ConfigError
 from sidecar.http.clients import OWN_CONNECTIONS, make_client, make_transport
-from sidecar.http.ops import Readiness, build_ops_app, finite
+from sidecar.http.engine_setup import EngineDiscovery, close_counter
+from sidecar.http.lifecycle import ReadyCheck, drain, serve_until_stopped
+from sidecar.http.ops import build_ops_app
 from sidecar.http.seams import Engine, Traffic
 from sidecar.http.serving import Server as _Server
 from sidecar.http.serving import build_proxy
 from sidecar.http.serving import uvicorn_config as _uvicorn_config
 from sidecar.http.workers.owner import AdmissionOwner, WorkersCollector
-from sidecar.http.workers.supervisor import Supervisor, listen_socket, worker_count
+from sidecar.http.workers.supervisor import RelayWorkers, worker_count
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.observability import logs
@@ -51,12 +49,12 @@ from sidecar.observability.tracing import from_env as tracing_from_env
 
 log = logging.getLogger("sidecar")
 
-#: seconds between writes of --lengths-file (and one at shutdown)
-LENGTHS_SAVE_INTERVAL = 30.0
-
 
 class Sidecar:
-    """The process's long-lived parts, built and wired once; the engine swapped in when found."""
+    """The process's long-lived parts, built and wired once; the engine swapped in when found.
+
+    ``relays``: this process is the relay workers' owner (it decides; the workers serve the
+    proxy port and count prompts)."""
 
     def __init__(
         self,
@@ -64,13 +62,11 @@ class Sidecar:
         *,
         registry: CollectorRegistry | None = None,
         tracing: Tracing | None = None,
-        process_children: Callable[[], Iterable[int]] | None = None,
-        counts_prompts: bool = True,
+        relays: RelayWorkers | None = None,
     ) -> None:
         self.settings = settings
-        #: False for the relay workers' owner: the workers count, so it loads no tokenizer
-        self.counts_prompts = counts_prompts
         self.tracing = tracing  # None: no spans (the OTEL_* environment asked for none)
+        self.relays = relays
         self.registry = registry if registry is not None else CollectorRegistry()
         # the proxy's pool: the relay sends on the transport directly (each client's own headers)
         self.transport = make_transport(settings)
@@ -83,6 +79,9 @@ class Sidecar:
         )
         self.scraper = Scraper(
             self.own_client, settings.upstream + "/metrics", interval=settings.scrape_interval
+        )
+        self.health = HealthMonitor(
+            self.own_client, settings.upstream + "/health", interval=settings.scrape_interval
         )
         # Until discovery knows the block size, nothing is admitted (self.engine is None).
         self.admission = AdmissionController(
@@ -97,17 +96,17 @@ class Sidecar:
             stale_after=settings.metrics_stale_after,
             stale_policy=settings.stale_policy,
         )
-        self.engine: Engine | None = None  # swapped whole by discovery, never edited in place
-        self.traffic = Traffic()
-        self.health = HealthMonitor(
-            self.own_client, settings.upstream + "/health", interval=settings.scrape_interval
+        self.lengths = (
+            LengthsSaver(settings.lengths_file, self.admission.learner)
+            if settings.lengths_file is not None
+            else None
         )
-        #: with relay workers: whether they can serve (the owner's AdmissionOwner.ready)
-        self.relays_ready: Callable[[], bool] = lambda: True
+        self.engine: Engine | None = None  # swapped whole when found, never edited in place
+        self.traffic = Traffic()
         self.metrics = Metrics(
             self.registry,
             self.admission,
-            engine=lambda: self.engine.config if self.engine is not None else None,
+            engine=self._engine_config,
             vllm_up=lambda: self.scraper.up,
             ready=self.ready,
             scrape_errors=lambda: self.scraper.errors_total,
@@ -117,7 +116,36 @@ class Sidecar:
                 "headroom": str(settings.headroom),
                 "stale_policy": settings.stale_policy.value,
             },
-            process_children=process_children,
+            process_children=relays.supervisor.pids if relays is not None else None,
+        )
+        self.owner: AdmissionOwner | None = None
+        if relays is not None:
+            self.owner = AdmissionOwner(
+                self.admission,
+                self.metrics,
+                settings=settings,
+                workers=relays.count,
+                engine=self._engine_config,
+                traffic=self.traffic,
+                on_lost=relays.supervisor.kill,
+            )
+            self.registry.register(WorkersCollector(self.owner))
+        self.discovery = EngineDiscovery(
+            settings,
+            self.own_client,
+            self.scraper,
+            observer=self.metrics,
+            on_found=self._found,
+            local_counting=relays is None,
+        )
+        self.ready_check = ReadyCheck(
+            discovered=lambda: self.discovered,
+            traffic=self.traffic,
+            health=self.health,
+            scraper=self.scraper,
+            stale_after_seconds=settings.metrics_stale_after,
+            discovery_error=lambda: self.discovery.last_error,
+            relays_ready=self.owner.ready if self.owner is not None else None,
         )
         self.proxy = build_proxy(
             settings,
@@ -130,16 +158,11 @@ class Sidecar:
         )
         self.ops = build_ops_app(
             registry=self.registry,
-            readiness=self.readiness,
+            readiness=self.ready_check.report,
             state=self.admission.state,
             event_loop_tasks=self.event_loop_tasks,
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
-        self._discovery: asyncio.Task[None] | None = None
-        self._lengths: asyncio.Task[None] | None = None
-        self._lengths_loaded = False
-
-    # --- readiness ----------------------------------------------------------------------------
 
     @property
     def discovered(self) -> bool:
@@ -148,102 +171,78 @@ class Sidecar:
 
     @property
     def counter(self) -> PromptCounter | None:
-        return self.engine.counter if self.engine is not None else None  # type: ignore[return-value]
-
-    @property
-    def draining(self) -> bool:
-        return self.traffic.draining
+        counter = self.engine.counter if self.engine is not None else None
+        return counter if isinstance(counter, PromptCounter) else None
 
     def ready(self) -> bool:
-        return (
-            self.discovered
-            and not self.traffic.draining
-            and self.health.healthy
-            # the snapshot's age, not the last scrape's outcome: one failed scrape (a loop
-            # lagging under a burst) must not take the pod out of service; stale data does
-            and self.scraper.latest is not None
-            and self.scraper.age() <= self.settings.metrics_stale_after
-            and self.relays_ready()
-        )
+        return self.ready_check.ready()
 
-    def readiness(self) -> Readiness:
-        return Readiness(
-            ready=self.ready(),
-            discovered=self.discovered,
-            draining=self.traffic.draining,
-            vllm_up=self.scraper.up,
-            vllm_healthy=self.health.healthy,
-            vllm_metrics_age_seconds=finite(self.scraper.age()),
-            last_error=self.scraper.last_error,
-        )
+    def event_loop_tasks(self) -> int:
+        """Tasks alive on the sidecar's loop (callable from any thread, e.g. a metrics scrape)."""
+        return len(asyncio.all_tasks(self._loop)) if self._loop is not None else 0
 
-    # --- lifecycle ----------------------------------------------------------------------------
+    # --- lifecycle (sidecar.http.lifecycle.Service) ---------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.metrics.event_loop_tasks.set_function(self.event_loop_tasks)
         self.scraper.add_listener(self._on_snapshot)
         self.scraper.start()
-        self._discovery = asyncio.ensure_future(self._discover_forever())
+        self.discovery.start()
         self.health.start()
-        if self.settings.lengths_file is not None:
-            self._lengths = asyncio.ensure_future(self._save_lengths_forever())
+        if self.lengths is not None:
+            self.lengths.start()
+        if self.relays is not None and self.owner is not None:
+            await self.owner.start(self.relays.socket_path)
+            self.relays.supervisor.start()
+            log.info("serving the proxy port with %d relay workers", self.relays.count)
 
-    async def stop(self) -> None:
-        for task in (self._discovery, self._lengths):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        await self.health.stop()
-        await self.scraper.stop()
-        self._save_lengths()
-        if self.engine is not None:
-            self.engine.counter.close()  # type: ignore[attr-defined]
-        await self.transport.aclose()
-        await self.own_client.aclose()
+    async def failed(self) -> ConfigError:
+        return await self.discovery.failed()
 
-    async def drain(self, deadline_seconds: float) -> None:
-        """Stop admitting, let what runs (and queued requests that can still start) finish."""
+    async def drain(self) -> None:
         self.traffic.draining = True
-        self.admission.draining = True
-        log.info(
-            "draining: %d in flight, %d queued, deadline %.0fs",
-            self.admission.in_flight,
-            self.admission.queue_depth,
-            deadline_seconds,
-        )
-        deadline = time.monotonic() + deadline_seconds
-        # polled: in-flight requests end in many places (answer, error, disconnect)
-        while self._busy() and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        self.admission.fail_queue()
-        if self.admission.in_flight or self.traffic.passthrough_in_flight:
-            log.warning(
-                "drain deadline reached with %d generation and %d other requests in flight",
-                self.admission.in_flight,
-                self.traffic.passthrough_in_flight,
-            )
-        else:
-            log.info("drained")
+        if self.owner is not None:
+            self.owner.sync()  # every worker refuses new generation requests from now
+        await drain(self.admission, self.traffic, self.settings.drain_timeout)
+        if self.relays is not None:
+            await self.relays.supervisor.stop()  # nothing left to relay
 
-    def event_loop_tasks(self) -> int:
-        """Tasks alive on the sidecar's loop (callable from any thread, e.g. a metrics scrape)."""
-        return len(asyncio.all_tasks(self._loop)) if self._loop is not None else 0
+    def stop_now(self) -> None:
+        if self.relays is not None:
+            self.relays.supervisor.kill_all()
 
-    def _busy(self) -> bool:
-        return bool(
-            self.admission.in_flight
-            or self.admission.queue_depth
-            or self.traffic.passthrough_in_flight
-        )
+    async def stop(self, *, hurried: bool = False) -> None:
+        try:
+            if self.relays is not None:
+                await self.relays.supervisor.stop(grace_seconds=0.0 if hurried else 5.0)
+            if self.owner is not None:
+                await self.owner.stop()
+            await self.discovery.stop()
+            await self.health.stop()
+            await self.scraper.stop()
+            if self.lengths is not None:
+                await self.lengths.stop()  # the last write
+            close_counter(self.engine)
+            await self.transport.aclose()
+            await self.own_client.aclose()
+        finally:  # even when cut short by the shutdown's timeout
+            if self.relays is not None:
+                self.relays.close()
+            if self.tracing is not None:
+                self.tracing.shutdown()  # export the spans still queued (the servers have ended)
+
+    # --- wiring ---------------------------------------------------------------------------------
+
+    def _engine_config(self) -> EngineConfig | None:
+        return self.engine.config if self.engine is not None else None
 
     def _on_snapshot(self, snap: EngineSnapshot) -> None:
         engine = self.engine
         if engine is not None and snap.block_size and snap.block_size != engine.config.block_size:
             log.warning("vLLM's block size changed to %d; rediscovering", snap.block_size)
             self.engine = None
-            self._discovery = asyncio.ensure_future(self._discover_forever(retire=engine))
+            self.discovery.start(retire=engine)
             return
         if engine is not None:
             config = engine.config.with_snapshot(snap)
@@ -252,249 +251,48 @@ class Sidecar:
         self.admission.on_snapshot(snap)
         self.metrics.on_snapshot()
 
-    # --- learned lengths across restarts ------------------------------------------------------
-
-    def _save_lengths(self) -> None:
-        path, engine = self.settings.lengths_file, self.engine
-        if path is None or engine is None:
-            return
-        try:
-            lengths_file.save(path, self.admission.learner, model=engine.config.model)
-        except OSError as exc:
-            log.warning("could not write the lengths file %s: %s", path, exc)
-
-    async def _save_lengths_forever(self) -> None:
-        while True:
-            await asyncio.sleep(LENGTHS_SAVE_INTERVAL)
-            self._save_lengths()
-
-    # --- discovery ----------------------------------------------------------------------------
-
-    async def _discover_forever(self, retire: Engine | None = None) -> None:
-        failures = 0
-        while True:
-            try:
-                await self._discover()
-                break
-            except (httpx.HTTPError, LookupError, ConfigError) as exc:
-                if failures == 0:
-                    log.warning("waiting for vLLM at %s: %s", self.settings.upstream, exc)
-                failures += 1
-            await asyncio.sleep(min(2.0, 0.25 * (failures + 1)))
-        if retire is not None:
-            retire.counter.close()  # type: ignore[attr-defined]
-
-    async def _discover(self) -> None:
-        settings = self.settings
-        snap = self.scraper.latest
-        if snap is None:
-            snap = await self.scraper.scrape_once()
-        if snap is None:
-            raise LookupError(f"no scrape of vLLM's /metrics yet ({self.scraper.last_error})")
-        config = await discover(
-            self.own_client,
-            settings.upstream,
-            snap,
-            served_model_name=settings.served_model_name,
-            max_model_len=settings.max_model_len,
-            model_config_path=settings.model_config_path,
-            tokenizer=settings.tokenizer,
-            default_max_tokens=settings.default_max_tokens,
-            max_tokens_cap=settings.max_tokens_cap,
-        )
-        counter = PromptCounter(
-            client=self.own_client,
-            upstream=settings.upstream,
-            served_model=config.model,
-            tokenizer_path=config.tokenizer_path if self.counts_prompts else None,
-            max_model_len=config.max_model_len,
-            observer=self.metrics,
-            # full prompt blocks are hashed for the ledger to count shared prefixes once
-            block_size=config.block_size if config.prefix_caching is not False else None,
-            max_concurrent_counts=settings.max_concurrent_counts,
-            max_count_wait_s=settings.max_count_wait,
-        )
-        # Not ready until the tokenizer has loaded (or failed to): the load holds the GIL in long
-        # stretches, and requests admitted meanwhile would stall seconds behind it.
-        local = await counter.wait_ready()
+    def _found(self, engine: Engine, snap: EngineSnapshot) -> None:
+        config = engine.config
         # vLLM's prefix caching (on unless its cache config says off) holds shared blocks once
         self.admission.configure(config.blocks, share_prefixes=config.prefix_caching is not False)
-        if self.settings.lengths_file is not None and not self._lengths_loaded:
-            self._lengths_loaded = True
-            restored = lengths_file.load(
-                self.settings.lengths_file, self.admission.learner, model=config.model
-            )
-            if restored:
-                log.info("restored %d answer lengths from %s", restored, self.settings.lengths_file)
-        self.engine = Engine(config=config, counter=counter)
+        if self.lengths is not None:
+            self.lengths.restore(config.model)
+        self.engine = engine
         self.admission.on_snapshot(snap)
-        log.info(
-            "vLLM discovered: model %s, max_model_len %d, %d blocks of %d tokens, %s bytes per "
-            "block (%s), prompt counting %s",
-            config.model,
-            config.max_model_len,
-            config.num_gpu_blocks,
-            config.block_size,
-            config.bytes_per_block if config.bytes_per_block is not None else "unknown",
-            "model config" if config.model_dir is not None else "no model config",
-            (
-                "in the relay workers"
-                if not self.counts_prompts
-                else f"local tokenizer {config.tokenizer_path}"
-                if local
-                else "vLLM /tokenize"
-            ),
-        )
 
 
 # --- serving ------------------------------------------------------------------------------------
 
 
-def _handle_signals(
-    loop: asyncio.AbstractEventLoop, stop_now: Callable[[], None]
-) -> tuple[asyncio.Event, list[int]]:
-    """SIGTERM and SIGINT set the returned event (a drain begins); a second one calls
-    ``stop_now`` (exit without waiting). The signals seen are listed, in order."""
-    stopping = asyncio.Event()
-    seen: list[int] = []
-
-    def on_signal(sig: int) -> None:
-        seen.append(sig)
-        if len(seen) > 1:  # a second signal: stop now
-            log.warning("second signal: exiting without waiting")
-            stop_now()
-        stopping.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-    return stopping, seen
-
-
-async def serve(settings: Settings, *, ready_file: Path | None = None) -> int:
+async def serve(settings: Settings) -> int:
+    """Serve until SIGTERM (drained) or SIGINT; the exit code. Raises :class:`ConfigError` for
+    a configuration that cannot work, once everything has stopped."""
     workers = worker_count(settings.workers)
+    tracing = tracing_from_env(os.environ)
     if workers > 1:
-        return await serve_with_workers(settings, workers)
-    sidecar = Sidecar(settings, tracing=tracing_from_env(os.environ))
+        return await serve_with_workers(settings, workers, tracing=tracing)
+    sidecar = Sidecar(settings, tracing=tracing)
     await sidecar.start()
     proxy = _Server(_uvicorn_config(sidecar.proxy, settings, settings.port))
     ops = _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port))
-    loop = asyncio.get_running_loop()
-
-    def stop_now() -> None:
-        proxy.force_exit = ops.force_exit = True
-        proxy.should_exit = ops.should_exit = True
-
-    stopping, signals_seen = _handle_signals(loop, stop_now)
-
-    async def lifecycle() -> None:
-        await stopping.wait()
-        log.info(
-            "signal %s: not ready, refusing new requests, draining",
-            signal.Signals(signals_seen[0]).name,
-        )
-        await sidecar.drain(settings.drain_timeout)
-        proxy.should_exit = True
-        ops.should_exit = True
-
-    watcher = asyncio.ensure_future(lifecycle())
-    try:
-        results = await asyncio.gather(proxy.serve(), ops.serve(), return_exceptions=True)
-    finally:
-        watcher.cancel()
-        try:
-            async with asyncio.timeout(10):  # exiting must not hang on a stuck upstream
-                await sidecar.stop()
-        except TimeoutError:
-            log.warning("shutdown of the upstream client timed out")
-        if sidecar.tracing is not None:
-            sidecar.tracing.shutdown()  # export the spans still queued (the servers have ended)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed or not (proxy.started and ops.started):
-        log.error("server failed: %s", failed[0] if failed else "could not bind its ports")
-        return 1
-    return 0
+    return await serve_until_stopped(sidecar, [proxy, ops], stop_timeout_seconds=10)
 
 
-async def serve_with_workers(settings: Settings, workers: int) -> int:
+async def serve_with_workers(
+    settings: Settings, workers: int, *, tracing: Tracing | None = None
+) -> int:
     """The admission owner: the scraper, admission and the metrics port here, the proxy port
     served by ``workers`` relay worker processes (docs/relay-workers.md)."""
     try:
-        listener = listen_socket(settings.host, settings.port)
+        relays = RelayWorkers(workers, host=settings.host, port=settings.port)
     except OSError as exc:
         log.error("server failed: could not bind the proxy port %d: %s", settings.port, exc)
         return 1
-    private = tempfile.mkdtemp(prefix="kv-sidecar-")  # mode 0700: this user only
-    path = os.path.join(private, "owner.sock")
-    supervisor = Supervisor(workers, socket_path=path, listen_fd=listener.fileno())
-    sidecar = Sidecar(
-        settings,
-        tracing=tracing_from_env(os.environ),
-        process_children=supervisor.pids,
-        counts_prompts=False,
-    )
-    owner = AdmissionOwner(
-        sidecar.admission,
-        sidecar.metrics,
-        settings=settings,
-        workers=workers,
-        engine=lambda: sidecar.engine.config if sidecar.engine is not None else None,
-        traffic=sidecar.traffic,
-        on_lost=supervisor.kill,
-    )
-    sidecar.relays_ready = owner.ready
-    sidecar.registry.register(WorkersCollector(owner))
+    sidecar = Sidecar(settings, tracing=tracing, relays=relays)
     await sidecar.start()
-    await owner.start(path)
-    supervisor.start()
-    log.info("serving the proxy port with %d relay workers", workers)
     ops = _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port))
-    loop = asyncio.get_running_loop()
-
-    def stop_now() -> None:
-        supervisor.kill_all()
-        ops.force_exit = ops.should_exit = True
-
-    stopping, signals_seen = _handle_signals(loop, stop_now)
-
-    async def lifecycle() -> None:
-        await stopping.wait()
-        log.info(
-            "signal %s: not ready, refusing new requests, draining",
-            signal.Signals(signals_seen[0]).name,
-        )
-        sidecar.traffic.draining = True
-        owner.sync()  # every worker refuses new generation requests from now
-        await sidecar.drain(settings.drain_timeout)
-        await supervisor.stop()
-        ops.should_exit = True
-
-    watcher = asyncio.ensure_future(lifecycle())
-    try:
-        result = await asyncio.gather(ops.serve(), return_exceptions=True)
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-        try:
-            async with asyncio.timeout(15):  # exiting must not hang on a stuck worker or upstream
-                await supervisor.stop(grace_seconds=5.0 if len(signals_seen) < 2 else 0.0)
-                await owner.stop()
-                await sidecar.stop()
-        except TimeoutError:
-            log.warning("shutdown timed out")
-        listener.close()
-        shutil.rmtree(private, ignore_errors=True)
-        if sidecar.tracing is not None:
-            sidecar.tracing.shutdown()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-    failed = [r for r in result if isinstance(r, BaseException)]
-    if failed or not ops.started:
-        log.error("server failed: %s", failed[0] if failed else "could not bind its ports")
-        return 1
-    return 0
+    # a stuck worker gets 5 s after the drain, then is killed
+    return await serve_until_stopped(sidecar, [ops], stop_timeout_seconds=15)
 
 
 def run(settings: Settings) -> int:

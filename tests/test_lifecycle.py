@@ -1,7 +1,10 @@
-"""SIGTERM on a real sidecar process in front of the real vLLM, in the middle of a burst.
+"""A real sidecar process's life: how it ends, and how it waits.
 
-Every request in flight (and every queued one that can still start) completes, new requests get
-503 with Retry-After, readiness is false from the signal on, and the process exits 0 in time.
+SIGTERM in front of the real vLLM, in the middle of a burst: every request in flight (and every
+queued one that can still start) completes, new requests get 503 with Retry-After, readiness is
+false from the signal on, and the process exits 0 in time. A model config that cannot be read
+ends the process at once (one line, exit 2), while a vLLM that cannot be asked yet is waited for,
+``/readyz`` saying why.
 
 The burst is sized from the sidecar's budget: as many requests of 500 + 300 tokens as fit, and
 ``QUEUED`` more that must wait (on the session vLLM: 8 of 7 blocks in the 59-block budget, 6
@@ -11,18 +14,19 @@ queued).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from harness.fake_vllm import FakeServer, write_model_dir
 from harness.workload import SidecarProcess, make_prompts, metric_value, one_completion
 from tests.conftest import VllmInfo
-from tests.faultkit import wait_for
-
-pytestmark = pytest.mark.vllm
+from tests.faultkit import ToughFake, wait_for
 
 QUEUED = 6  # requests beyond what the budget holds at once
 PROMPT_TOKENS = 500
@@ -32,6 +36,7 @@ DRAIN = 180  # two waves of 300 decode steps, with room for a slow shared machin
 UNREADY_WITHIN = 10.0
 
 
+@pytest.mark.vllm
 async def test_sigterm_drains_and_exits_zero(vllm: VllmInfo) -> None:
     assert vllm.model_dir is not None, "set KV_SIDECAR_TEST_MODEL_DIR for an external vLLM"
     sc = SidecarProcess(
@@ -109,3 +114,62 @@ async def test_sigterm_drains_and_exits_zero(vllm: VllmInfo) -> None:
         assert "drained" in sc.log()
     finally:
         sc.stop(signal.SIGKILL)
+
+
+@pytest.mark.vllm
+def test_a_garbled_model_config_ends_the_process_at_once(vllm: VllmInfo, tmp_path: Path) -> None:
+    """Once vLLM answers, a --model-config that is not JSON cannot get better by waiting: the
+    sidecar exits 2 with one line on stderr and no traceback, instead of sitting not ready."""
+    garbled = tmp_path / "config.json"
+    garbled.write_text('{"num_hidden_layers": 2,')
+    sc = SidecarProcess(vllm.url, "--model-config", str(garbled), "--log-level", "error")
+    sc.start(wait_ready=False)
+    try:
+        assert sc.proc is not None
+        code = sc.proc.wait(timeout=60)
+    finally:
+        sc.stop(signal.SIGKILL)
+    said = sc.log()
+    assert code == 2, said
+    assert "Traceback" not in said
+    assert said.strip().splitlines() == [
+        f"kv-sidecar serve: error: --model-config: model config {garbled} is not valid JSON: "
+        "Expecting property name enclosed in double quotes at line 1"
+    ]
+
+
+def test_a_vllm_that_cannot_be_asked_yet_is_waited_for_and_readyz_says_why(
+    tmp_path: Path,
+) -> None:
+    """vLLM guards /v1/models with --api-key and the sidecar was given none: its /metrics and
+    /health answer, discovery gets 401. An answer from vLLM is not the sidecar's configuration
+    (vLLM may be restarted with another key), so it is retried: the process keeps running, not
+    ready, and /readyz's last_error says why (it said nothing before, the scrapes being fine);
+    once vLLM lets it ask, it is ready."""
+    app = ToughFake(model_root=write_model_dir(tmp_path / "tiny"), api_key="secret")
+    with FakeServer(app) as fake:
+        sc = SidecarProcess(fake.url, "--scrape-interval", "0.1", "--workers", "1")
+        sc.start(wait_ready=False)
+        try:
+
+            def readyz() -> dict[str, object]:
+                return dict(json.loads(httpx.get(sc.metrics_url + "/readyz", timeout=5).text))
+
+            def says_why() -> bool:
+                try:
+                    return "401" in str(readyz()["last_error"])
+                except httpx.HTTPError:
+                    return False  # not listening yet
+
+            wait_for(says_why, "/readyz's last_error names the 401", 30, 0.1)
+            time.sleep(1.0)  # several more attempts
+            assert sc.proc is not None and sc.proc.poll() is None, sc.log()
+            state = readyz()
+            assert state["ready"] is False and state["discovered"] is False, state
+            assert state["vllm_up"] is True, state  # /metrics answers: discovery is the reason
+            app.api_key = None
+            sc.wait_ready(30)
+            assert readyz()["last_error"] is None
+            assert sc.stop(signal.SIGTERM) == 0
+        finally:
+            sc.stop(signal.SIGKILL)

@@ -70,7 +70,9 @@ async def discover(
     default_max_tokens: int | None = None,
     max_tokens_cap: int | None = None,
 ) -> EngineConfig:
-    """Ask vLLM what it serves; raise LookupError (or an httpx error) while it cannot say.
+    """Ask vLLM what it serves; raise LookupError (or an httpx error) while it cannot say, and
+    :class:`ConfigError` for a setting that cannot work (``--model-config`` that cannot be read
+    or sized, a ``--tokenizer`` that does not exist): waiting would not mend it.
 
     ``default_max_tokens`` and ``max_tokens_cap`` are the operator's word on vLLM's generation
     config (``--default-max-tokens``, ``--max-tokens-cap``); a given default wins over the model
@@ -119,13 +121,10 @@ async def discover(
         )
         blocks = UniformBlocks(snap.block_size, bytes_per_block)
 
+    tokenizer_path = _tokenizer(tokenizer, model_dir)
     default, source = _default_max_tokens(default_max_tokens, model_dir)
     _log_max_tokens_defaults(default, source, max_tokens_cap)
 
-    if tokenizer is None and model_dir is not None:
-        directory = model_dir if model_dir.is_dir() else model_dir.parent
-        if any((directory / name).exists() for name in _TOKENIZER_FILES):
-            tokenizer = directory
     return EngineConfig(
         model=served,
         max_model_len=context,
@@ -135,7 +134,7 @@ async def discover(
         prefix_caching=snap.prefix_caching,
         blocks=blocks,
         bytes_per_block=bytes_per_block,
-        tokenizer_path=tokenizer,
+        tokenizer_path=tokenizer_path,
         model_dir=model_dir if geometry is not None else None,
         default_max_tokens=default,
         max_tokens_cap=max_tokens_cap,
@@ -230,6 +229,21 @@ def _log_max_tokens_defaults(default: int | None, source: str, cap: int | None) 
         completions,
         capped,
     )
+
+
+def _tokenizer(explicit: Path | None, model_dir: Path | None) -> Path | None:
+    """The tokenizer to load: ``--tokenizer``, which must exist (the operator's own path, looked
+    at once vLLM serves: a volume shared with it is filled by then), else the model directory
+    when it holds one."""
+    if explicit is not None:
+        if not explicit.exists():
+            raise ConfigError(f"--tokenizer: no such file or directory: {explicit}")
+        return explicit
+    if model_dir is not None:
+        directory = model_dir if model_dir.is_dir() else model_dir.parent
+        if any((directory / name).exists() for name in _TOKENIZER_FILES):
+            return directory
+    return None
 
 
 def _model_dir(explicit: Path | None, root: Any) -> Path | None:

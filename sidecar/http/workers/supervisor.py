@@ -4,7 +4,8 @@
 :func:`listen_socket` binds the proxy port once, in the owner, so that every worker accepts on
 the same socket (inherited as a file descriptor) and a replaced worker finds it already bound.
 :class:`Supervisor` starts ``python -m sidecar.http.workers.worker`` once per slot and starts a
-new one when one exits, until it is stopped.
+new one when one exits, until it is stopped. :class:`RelayWorkers` is what the owner holds for
+them: the listening socket, the private directory of its own Unix socket, and the supervisor.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -156,3 +159,27 @@ class Supervisor:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGKILL)
+
+
+class RelayWorkers:
+    """The owner's side of its relay workers: the proxy port bound once (raises OSError when it
+    cannot be), a private directory (mode 0700: this user only) for the owner's Unix socket,
+    and the :class:`Supervisor` of ``count`` worker processes. :meth:`close` frees the port
+    and the directory."""
+
+    def __init__(self, count: int, *, host: str, port: int) -> None:
+        self.listener = listen_socket(host, port)
+        self.directory = tempfile.mkdtemp(prefix="kv-sidecar-")
+        #: the Unix socket the owner serves and the workers connect to
+        self.socket_path = os.path.join(self.directory, "owner.sock")
+        self.supervisor = Supervisor(
+            count, socket_path=self.socket_path, listen_fd=self.listener.fileno()
+        )
+
+    @property
+    def count(self) -> int:
+        return self.supervisor.count
+
+    def close(self) -> None:
+        self.listener.close()
+        shutil.rmtree(self.directory, ignore_errors=True)

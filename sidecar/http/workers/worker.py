@@ -6,7 +6,8 @@ the owner, receives the settings, builds the same :class:`~sidecar.http.proxy.Pr
 :class:`~sidecar.http.generation.GenerationPath` as the single-process sidecar, with its own
 pool to vLLM and the owner's stand-ins for the gate, the metrics and the engine
 (:mod:`~sidecar.http.workers.remote`), builds its prompt counter from each engine config the
-owner sends (counting happens here), and serves with uvicorn (uvloop, httptools) until SIGTERM
+owner sends (counting happens here, with :func:`~sidecar.http.engine_setup.build_counter`, as in
+the single process), and serves with uvicorn (uvloop, httptools) until SIGTERM
 or until it loses the owner. SIGINT is the owner's to handle (the worker runs in a session of its
 own, and ignores it too).
 """
@@ -26,15 +27,13 @@ from collections.abc import Sequence
 import httpx
 
 from sidecar.config import Settings
-from sidecar.counting import PromptCounter
-from sidecar.counting.slots import default_slots
 from sidecar.engine.discovery import EngineConfig
 from sidecar.http.clients import make_client, make_transport
+from sidecar.http.engine_setup import build_counter, close_counter, counter_key
 from sidecar.http.seams import Engine
 from sidecar.http.serving import Server, build_proxy, uvicorn_config
 from sidecar.http.workers import wire
 from sidecar.http.workers.remote import OwnerLink
-from sidecar.http.workers.supervisor import worker_count
 from sidecar.observability import logs
 from sidecar.observability.tracing import from_env as tracing_from_env
 
@@ -46,24 +45,16 @@ _OWN_CONNECTIONS = 8
 FIRST_ENGINE_TIMEOUT = 120.0
 
 
-def _counter_key(config: EngineConfig) -> tuple[object, ...]:
-    """What the prompt counter is built from: a config that differs only in pool size keeps it."""
-    return (
-        config.model,
-        config.tokenizer_path,
-        config.max_model_len,
-        config.block_size,
-        config.prefix_caching,
-    )
-
-
 class Engines:
     """Builds the worker's engine (config and prompt counter) from the owner's configs."""
 
-    def __init__(self, link: OwnerLink, client: httpx.AsyncClient, settings: Settings) -> None:
+    def __init__(
+        self, link: OwnerLink, client: httpx.AsyncClient, settings: Settings, *, workers: int
+    ) -> None:
         self.link = link
         self.client = client
         self.settings = settings
+        self.workers = workers  # they share the pod's long-count slots
         self._latest: EngineConfig | None = None
         self._building: asyncio.Task[None] | None = None
         self._announced = False
@@ -74,7 +65,7 @@ class Engines:
         if config is None:
             self.link.engine = None  # the owner rediscovers; refuse as not ready meanwhile
             return
-        if current is not None and _counter_key(current.config) == _counter_key(config):
+        if current is not None and counter_key(current.config) == counter_key(config):
             self.link.engine = Engine(config=config, counter=current.counter)
             return
         if self._building is None or self._building.done():
@@ -87,33 +78,23 @@ class Engines:
             log.exception("relay worker %d: could not build the prompt counter", self.link.index)
 
     async def _build_counter(self, config: EngineConfig) -> None:
-        counter = PromptCounter(
+        counter = build_counter(
+            config,
+            self.settings,
             client=self.client,
-            upstream=self.settings.upstream,
-            served_model=config.model,
-            tokenizer_path=config.tokenizer_path,
-            max_model_len=config.max_model_len,
             observer=self.link.metrics,
-            block_size=config.block_size if config.prefix_caching is not False else None,
-            # the pod's long-count slots shared among the workers, one each at least
-            max_concurrent_counts=max(
-                1,
-                (self.settings.max_concurrent_counts or default_slots())
-                // worker_count(self.settings.workers),
-            ),
-            max_count_wait_s=self.settings.max_count_wait,
+            processes=self.workers,
         )
         await counter.wait_ready()
         latest = self._latest
-        if latest is None or _counter_key(latest) != _counter_key(config):
+        if latest is None or counter_key(latest) != counter_key(config):
             counter.close()
             if latest is not None:  # it changed while we built: build for the newest
                 self._building = asyncio.ensure_future(self._build(latest))
             return
         old = self.link.engine
         self.link.engine = Engine(config=latest, counter=counter)
-        if old is not None:
-            old.counter.close()  # type: ignore[attr-defined]
+        close_counter(old)
         if not self._announced:
             self._announced = True
             self.link.ready()
@@ -129,8 +110,7 @@ class Engines:
     def close(self) -> None:
         if self._building is not None:
             self._building.cancel()
-        if self.link.engine is not None:
-            self.link.engine.counter.close()  # type: ignore[attr-defined]
+        close_counter(self.link.engine)
 
 
 async def serve_worker(socket_path: str, listen_fd: int, index: int) -> int:
@@ -149,7 +129,7 @@ async def serve_worker(socket_path: str, listen_fd: int, index: int) -> int:
         transport=make_transport(settings, _OWN_CONNECTIONS),
         headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
     )
-    engines = Engines(link, own_client, settings)
+    engines = Engines(link, own_client, settings, workers=workers)
     link.on_config = engines.on_config
     link.dispatch_early()
     # Accept only once prompts can be counted: until then the other workers take the
