@@ -10,10 +10,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar import __version__
-from sidecar.errors import ConfigError
+from sidecar.errors import ConfigError, one_line
 from sidecar.kv.geometry import (
     DEFAULT_MAX_CONCURRENT_BATCHES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -23,6 +23,9 @@ from sidecar.kv.geometry import (
     kv_cache_memory_bytes,
     load_config,
 )
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 PROG = "kv-sidecar"
 
@@ -223,19 +226,51 @@ def _serve(argv: list[str]) -> int:
     from pydantic import ValidationError
     from pydantic_settings import CliApp
 
-    from sidecar.config import Settings
+    from sidecar.config import Settings, cli_args
 
     try:
-        settings = CliApp.run(Settings, cli_args=argv)
+        # exit_on_error off: argparse's refusals come back as one SettingsError line, no usage
+        settings = CliApp.run(Settings, cli_args=cli_args(argv), cli_exit_on_error=False)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "settings"
-        print(f"{PROG} serve: error: {where}: {first['msg']}", file=sys.stderr)
+        print(f"{PROG} serve: error: {_invalid(exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # pydantic-settings' own refusals: SettingsError, a bad flag
+        message = str(exc).removeprefix("error parsing CLI: ")
+        print(f"{PROG} serve: error: {one_line(message)}", file=sys.stderr)
         return 2
     from sidecar.app import run
 
     try:
         return run(settings)
-    except ConfigError as exc:  # e.g. OTEL_TRACES_EXPORTER naming an exporter not installed
-        print(f"{PROG} serve: error: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # a --model-config that cannot be read, an exporter not installed
+        print(f"{PROG} serve: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
+
+
+def _invalid(exc: ValidationError) -> str:
+    """A settings validation error as one line: each bad field by its flag and env var.
+
+    A union (``--workers``: a number or ``auto``) gives one error per alternative, said together.
+    """
+    from sidecar.config import Settings, names_of
+
+    said: dict[str, list[str]] = {}
+    got: dict[str, Any] = {}
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if field in said:  # another alternative of a union: "... or 'auto'"
+            message = message.removeprefix("Input should be ")
+        said.setdefault(field, []).append(message)
+        got.setdefault(field, error.get("input"))
+    parts = []
+    for field, messages in said.items():
+        text = ", or ".join(messages)
+        info = Settings.model_fields.get(field)
+        if info is None or "SecretStr" not in str(info.annotation):  # a secret is never echoed
+            text += f", got {got[field]!r}"
+        if field:
+            flag, env = names_of(field)
+            text = f"{flag} ({env}): {text}"
+        parts.append(text)
+    return one_line("; ".join(parts), 1000)

@@ -1,23 +1,47 @@
 """The sidecar's settings: one pydantic-settings class for env vars and ``kv-sidecar serve`` flags.
 
 Every field is a flag (``--max-queue-wait``) and an env var (``KV_SIDECAR_MAX_QUEUE_WAIT``);
-flags win over env vars, env vars over defaults. Field docstrings are the ``--help`` text.
+flags win over env vars, env vars over defaults. Field docstrings are the ``--help`` text. An enum
+value is taken in either spelling (``worst-case`` or ``worst_case``: ``--help`` shows both), and
+:func:`names_of` says which flag and env var a field is, for error messages.
 
 >>> Settings(_cli_parse_args=["--policy", "reject"]).policy
 <Policy.reject: 'reject'>
+>>> Settings(_cli_parse_args=cli_args(["--reservation", "worst_case"])).reservation
+<ReservationMode.worst_case: 'worst-case'>
+>>> names_of("model_config_path")
+('--model-config', 'KV_SIDECAR_MODEL_CONFIG')
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
+from collections.abc import Sequence
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+ENV_PREFIX = "KV_SIDECAR_"
 
-class Policy(StrEnum):
+
+class _Choice(StrEnum):
+    """An enum of settings that takes a value in either spelling, ``worst-case`` or
+    ``worst_case``: the CLI's choices show one (the values) and its default the other (the
+    member's name), and env vars and config files may carry either."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> Self | None:
+        if isinstance(value, str):
+            spelled = value.replace("_", "-")
+            for member in cls:
+                if member.value.replace("_", "-") == spelled:
+                    return member
+        return None
+
+
+class Policy(_Choice):
     """What happens to a request that does not fit now."""
 
     # lower case, as the CLI shows the names (kebab-cased): --policy {reject,queue,observe}
@@ -26,7 +50,7 @@ class Policy(StrEnum):
     observe = "observe"  # forward anyway and measure: a dry run
 
 
-class ReservationMode(StrEnum):
+class ReservationMode(_Choice):
     """How many output tokens a request is promised."""
 
     worst_case = "worst-case"  # max_tokens: no preemption possible
@@ -34,21 +58,21 @@ class ReservationMode(StrEnum):
     adaptive = "adaptive"  # a length quantile chosen by what a preemption would cost
 
 
-class StalePolicy(StrEnum):
+class StalePolicy(_Choice):
     """What the gate does when vLLM's metrics are stale."""
 
     open = "open"  # admit on the ledger alone
     closed = "closed"  # refuse with 503
 
 
-class LogFormat(StrEnum):
+class LogFormat(_Choice):
     """How log lines read."""
 
     text = "text"  # time level logger: message key=value ...
     json = "json"  # one JSON object per line
 
 
-class AccessLog(StrEnum):
+class AccessLog(_Choice):
     """Which requests get an access log line."""
 
     off = "off"  # none
@@ -58,7 +82,7 @@ class AccessLog(StrEnum):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="KV_SIDECAR_",
+        env_prefix=ENV_PREFIX,
         cli_prog_name="kv-sidecar serve",
         cli_kebab_case="all",  # enum names too: --reservation {worst-case,expected}
         cli_implicit_flags=True,
@@ -169,3 +193,52 @@ class Settings(BaseSettings):
             raise ValueError("upstream must be an http:// or https:// URL")
         # Joined with paths that start with '/': keep the base without a trailing slash.
         return value.rstrip("/")
+
+
+def names_of(field: str) -> tuple[str, str]:
+    """The flag and the env var of a settings field (or of its alias), as a user types them.
+
+    >>> names_of("max_queue_wait")
+    ('--max-queue-wait', 'KV_SIDECAR_MAX_QUEUE_WAIT')
+    """
+    name = field.removeprefix(ENV_PREFIX).lower()
+    for field_name, info in Settings.model_fields.items():
+        alias = info.validation_alias
+        choices = (
+            [c for c in alias.choices if isinstance(c, str)]
+            if isinstance(alias, AliasChoices)
+            else []
+        )
+        if name == field_name or name in (c.lower() for c in choices):
+            name = choices[0] if choices else field_name
+            break
+    return "--" + name.replace("_", "-"), ENV_PREFIX + name.upper()
+
+
+def cli_args(argv: Sequence[str]) -> list[str]:
+    """``argv`` with every enum value in the spelling the CLI parser takes: ``--help`` shows
+    the values (``worst-case``) as the choices but the member's name (``worst_case``) as the
+    default, and pydantic-settings refuses the name with a bare exception.
+
+    >>> cli_args(["--reservation", "worst_case", "--policy=queue", "--port", "8_080"])
+    ['--reservation', 'worst-case', '--policy=queue', '--port', '8_080']
+    """
+    choices: dict[str, type[Enum]] = {}
+    for field_name, info in Settings.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, Enum):
+            choices[names_of(field_name)[0]] = info.annotation
+    out = list(argv)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if eq and flag in choices:
+            out[i] = f"{flag}={_spelled(choices[flag], value)}"
+        elif i > 0 and out[i - 1] in choices:
+            out[i] = _spelled(choices[out[i - 1]], arg)
+    return out
+
+
+def _spelled(enum: type[Enum], value: str) -> str:
+    try:
+        return str(enum(value).value)
+    except ValueError:
+        return value  # not one of them: validation says so, naming the flag
