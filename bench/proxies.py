@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import httpx
 import uvicorn
 
-from harness.vllm_cpu import free_port
+from harness.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,3 @@
+from bench.admission.cli import main
+
+main()
