@@ -37,6 +37,8 @@ unit: setup
 demo: setup vllm
 	$(BIN)/python -m harness.demo
 
+# The default set of benchmarks (micro, overhead, admission); `python -m bench --list` lists every
+# registered one and marks the set, `python -m bench --all` runs them all (hours on 2 cores).
 bench: setup vllm
 	./scripts/system-deps.sh --bench
 	$(BIN)/python -m bench

@@ -1,54 +1,92 @@
-"""Every benchmark, one after the other: ``python -m bench`` (``make bench``).
+"""The benchmarks, by name: ``python -m bench`` (``make bench``).
 
-    python -m bench                      # micro, overhead, admission (about 70 minutes)
-    python -m bench micro overhead       # only these
-    python -m bench --quick              # smoke run: smaller workloads, BENCHMARKS.md untouched
+    python -m bench                      # the default set: micro, overhead, admission
+    python -m bench --list               # every benchmark and tool, one line each
+    python -m bench micro overhead       # these, one after the other
+    python -m bench scaling --quick      # one benchmark, with its own arguments
+    python -m bench --all                # every benchmark, one after the other (hours)
+    python -m bench --quick [NAMES]      # smoke runs: smaller workloads, BENCHMARKS.md untouched
 
-Each also runs alone (``python -m bench.micro``, ``python -m bench.overhead``,
-``python -m bench.admission``). Progress goes to stderr; each rewrites its own section of
-BENCHMARKS.md (between ``<!-- bench:NAME -->`` markers) and its JSON in ``bench/results/``.
+``python -m bench NAME [ARGS]`` is ``python -m bench.NAME [ARGS]`` (the commands BENCHMARKS.md
+quotes). Progress goes to stderr; each benchmark rewrites its own section of BENCHMARKS.md
+(between ``<!-- bench:NAME -->`` markers) and its JSON in ``bench/results/``. The registry is
+``bench/registry.py``.
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 
+from bench.registry import BENCHMARKS, Benchmark, find, listing
 from harness.bench_util import progress
 
-ALL = ("micro", "overhead", "admission")
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(ALL)}")
-    parser.add_argument("--quick", action="store_true", help="smoke run; BENCHMARKS.md untouched")
-    args = parser.parse_args()
-    names = args.names or list(ALL)
-    for name in names:
-        if name not in ALL:
-            parser.error(f"unknown benchmark {name!r}; one of {', '.join(ALL)}")
+def run_all(benchmarks: list[Benchmark], *, quick: bool) -> None:
+    """Each benchmark in turn, with its smoke run's arguments when ``quick``."""
     started = time.monotonic()
-    for i, name in enumerate(names, 1):
-        progress(f"bench {i}/{len(names)}: {name}")
-        if name == "micro":
-            from bench import micro
-
-            micro.main(["--no-report"] if args.quick else [])
-        elif name == "overhead":
-            from bench import overhead
-
-            overhead.main(["--quick"] if args.quick else [])
-        elif name == "admission":
-            from bench import admission
-
-            admission.main(["--quick"] if args.quick else [])
+    for i, b in enumerate(benchmarks, 1):
+        progress(f"bench {i}/{len(benchmarks)}: {b.name}")
+        b.main()(list(b.quick or ()) if quick else [])
     progress(f"all done in {(time.monotonic() - started) / 60:.1f} minutes")
 
 
+def resolve(names: list[str]) -> list[Benchmark] | str:
+    """The benchmarks named, or why not."""
+    chosen = []
+    for name in names:
+        try:
+            b = find(name)
+        except KeyError:
+            known = ", ".join(b.name for b in BENCHMARKS)
+            return f"unknown benchmark {name!r}; one of {known} (python -m bench --list)"
+        if b.tool or b.quick is None:
+            return (
+                f"{b.name} is a tool: run it alone, with its arguments (python -m bench {name} -h)"
+            )
+        chosen.append(b)
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args in (["-h"], ["--help"]):
+        print((__doc__ or "").strip() + "\n\n" + listing())
+        return 0
+    if args == ["--list"]:
+        print(listing())
+        return 0
+    if args and not args[0].startswith("-") and not all(_known(a) for a in args):
+        # python -m bench NAME ARGS...: that one, with its own arguments
+        try:
+            b = find(args[0])
+        except KeyError:
+            print(resolve(args[:1]), file=sys.stderr)
+            return 2
+        b.main()(args[1:])
+        return 0
+    quick = "--quick" in args
+    everything = "--all" in args
+    names = [a for a in args if a not in ("--quick", "--all")]
+    if any(a.startswith("-") for a in names):
+        print(f"unknown option {names}; see python -m bench --help", file=sys.stderr)
+        return 2
+    if everything:
+        names = names or [b.name for b in BENCHMARKS if not b.tool]
+    chosen = resolve(names or [b.name for b in BENCHMARKS if b.default])
+    if isinstance(chosen, str):
+        print(chosen, file=sys.stderr)
+        return 2
+    run_all(chosen, quick=quick)
+    return 0
+
+
+def _known(name: str) -> bool:
+    try:
+        return not find(name).tool
+    except KeyError:
+        return False
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -384,8 +384,10 @@ class BenchProxy:
         self.proc.wait(10)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.proxies", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("kind", choices=["shim", "shedder"])
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--port", type=int, required=True)
@@ -396,7 +398,7 @@ def main() -> None:
     parser.add_argument("--kv-threshold", type=float, default=0.8)
     parser.add_argument("--queue-threshold", type=float, default=5)
     parser.add_argument("--interval", type=float, default=0.5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     app: Any
     if args.kind == "shim":
         app = Shim(args.upstream, args.client)
