@@ -1,14 +1,20 @@
-"""The package's shape: no import cycle between modules (TYPE_CHECKING imports included) and no
-module over 700 lines. The layering itself is import-linter's contracts in pyproject.toml, run by
-``make lint``; this test runs the same graph builder (grimp) for what contracts cannot say."""
+"""The shape of the package, the harness and the benchmarks: no import cycle between modules
+(TYPE_CHECKING imports included, and across the three) and no module over 700 lines; and the
+shared modules' doctests, which the doctest collection of the testpaths does not reach. The
+layering itself is import-linter's contracts in pyproject.toml, run by ``make lint``; this test
+runs the same graph builder (grimp) for what contracts cannot say."""
 
 from __future__ import annotations
 
+import doctest
 from pathlib import Path
 
 import grimp
+import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
+ROOT = Path(__file__).resolve().parent.parent
+#: the sidecar, what the tests and the benchmarks share, and the benchmarks
+PACKAGES = ("sidecar", "harness", "bench")
 MAX_LINES = 700
 
 
@@ -48,7 +54,7 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
 
 
 def test_no_import_cycle() -> None:
-    graph = grimp.build_graph("sidecar", exclude_type_checking_imports=False)
+    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=False)
     assert _cycles(graph) == []
 
 
@@ -64,7 +70,18 @@ def test_the_cycle_finder_finds_one() -> None:
 
 def test_no_module_over_700_lines() -> None:
     sizes = {
-        str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
-        for path in PACKAGE.rglob("*.py")
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
     }
     assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
+
+
+@pytest.mark.parametrize(
+    "module", ["harness.stats", "harness.exposition", "harness.vllm_formats", "bench.registry"]
+)
+def test_shared_doctests(module: str) -> None:
+    """The examples in the shared modules' docstrings hold (pytest's --doctest-modules collects
+    only its testpaths, which do not include harness/ or bench/)."""
+    result = doctest.testmod(__import__(module, fromlist=["_"]))
+    assert result.attempted > 0 and result.failed == 0
