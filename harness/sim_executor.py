@@ -34,7 +34,8 @@ them):
 The control channel is plain HTTP with JSON answers:
 
     GET  /state              {"steps", "granted", "waiting", "mode", "gpu", "simulated_seconds",
-                              "last_step": {...}}  (waiting: a batch is scheduled and blocked)
+                              "cpu_lag_seconds", "last_step": {...}}  (waiting: a batch is
+                              scheduled and blocked; cpu_lag_seconds: see SimEngine)
     POST /step {"n": N, "timeout": S}
                              grant N steps; answers once they have run (or at the timeout) with
                              the state and "done": true/false (manual mode only: 409 otherwise)
@@ -98,6 +99,7 @@ class _Seq:
     eos_token_id: int | None
     min_tokens: int
     num_logprobs: int | None = None
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -189,6 +191,12 @@ class SimEngine:
         self.last_step: StepRecord | None = None
         self._prev_end = 0.0
         self._prev_cost = 0.0
+        self._busy = False
+        #: wall seconds by which busy steps ended later than the simulated GPU would have
+        #: finished them: the engine's own CPU work (scheduling, output processing, the HTTP
+        #: server) that the previous step could not hide. Small against simulated_seconds
+        #: means the clock is the cost model's; large means this machine's CPU is the limit.
+        self.cpu_lag_seconds = 0.0
         self._control: ThreadingHTTPServer | None = None
         control = os.environ.get(ENV_CONTROL, "")
         if control:
@@ -309,6 +317,7 @@ class SimEngine:
                 eos_token_id=sp.eos_token_id if sp is not None else None,
                 min_tokens=sp.min_tokens if sp is not None else 0,
                 num_logprobs=sp.logprobs if sp is not None else None,
+                max_tokens=sp.max_tokens if sp is not None else None,
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -328,6 +337,8 @@ class SimEngine:
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         batch: list[sim_cost.SeqWork] = []
+        max_model_len = self.model_config.max_model_len
+        continues = False  # some request goes on after this step: the engine stays busy
         for req_id in req_ids:
             n = so.num_scheduled_tokens[req_id]
             seq = self.seqs[req_id]
@@ -335,6 +346,7 @@ class SimEngine:
             seq.computed_tokens += n
             if seq.computed_tokens < seq.prompt_tokens + seq.output_tokens:
                 sampled.append([])  # a partial prefill chunk samples nothing
+                continues = True
                 continue
             seq.output_tokens += 1
             ends = (
@@ -343,10 +355,16 @@ class SimEngine:
                 and seq.output_tokens >= max(seq.target_tokens, seq.min_tokens, 1)
             )
             sampled.append([seq.eos_token_id if ends else self.token_id])  # type: ignore[list-item]
+            continues = continues or not (
+                ends
+                or (seq.max_tokens is not None and seq.output_tokens >= seq.max_tokens)
+                or seq.prompt_tokens + seq.output_tokens >= max_model_len
+            )
         cost = sim_cost.step_cost(
             self.shape, self.gpu, batch, tp=self.tp, kv_dtype_bytes=self.kv_dtype_bytes
         )
         seconds = self._sleep(arrived, cost.seconds)
+        self._busy = continues
         self.simulated_seconds += seconds
         self.last_step = StepRecord(
             requests=len(req_ids),
@@ -404,7 +422,10 @@ class SimEngine:
         now = time.monotonic()
         if end > now:
             time.sleep(end - now)
-        self._prev_end = max(end, now)
+        actual_end = max(end, now)
+        if self._busy:  # a GPU would have started this step as the previous one ended
+            self.cpu_lag_seconds += max(0.0, actual_end - (self._prev_end + seconds))
+        self._prev_end = actual_end
         self._prev_cost = seconds
         return seconds
 
@@ -420,6 +441,7 @@ class SimEngine:
             "waiting": self.gate.waiting,
             "running": len(self.seqs),
             "simulated_seconds": self.simulated_seconds,
+            "cpu_lag_seconds": self.cpu_lag_seconds,
             "last_step": last,
         }
 
