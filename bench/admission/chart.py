@@ -23,6 +23,26 @@ def _preemption_times(direct: dict[str, Any] | None) -> list[float]:
     return preempt_times
 
 
+def _direct(ax: Any, direct: dict[str, Any] | None, preempt_times: list[float]) -> None:
+    """vLLM direct on the same workload: its used blocks and its preemptions."""
+    if direct is not None:
+        dt = [s["t"] for s in direct["samples"] if "kv_cache_usage_perc" in s]
+        du = [
+            s["kv_cache_usage_perc"] * CAPACITY_BLOCKS
+            for s in direct["samples"]
+            if "kv_cache_usage_perc" in s
+        ]
+        ax.plot(dt, du, label="actual, vLLM direct (same workload)", color="grey", alpha=0.6)
+    for i, x in enumerate(preempt_times):
+        ax.axvline(
+            x,
+            color="red",
+            alpha=0.35,
+            linewidth=1,
+            label="preemption, vLLM direct" if i == 0 else None,
+        )
+
+
 def _timeline(
     ax: Any,
     config: str,
@@ -31,7 +51,6 @@ def _timeline(
     preempt_times: list[float],
 ) -> None:
     """One configuration's KV blocks over time: reserved, future peak, predicted, actual."""
-    direct = runs.get("direct")
     samples = [s for s in runs[config]["samples"] if s.get("sidecar")]
     t = [s["t"] for s in samples]
 
@@ -71,22 +90,7 @@ def _timeline(
         linewidth=3.5,
         alpha=0.5,
     )
-    if direct is not None:
-        dt = [s["t"] for s in direct["samples"] if "kv_cache_usage_perc" in s]
-        du = [
-            s["kv_cache_usage_perc"] * CAPACITY_BLOCKS
-            for s in direct["samples"]
-            if "kv_cache_usage_perc" in s
-        ]
-        ax.plot(dt, du, label="actual, vLLM direct (same workload)", color="grey", alpha=0.6)
-    for i, x in enumerate(preempt_times):
-        ax.axvline(
-            x,
-            color="red",
-            alpha=0.35,
-            linewidth=1,
-            label="preemption, vLLM direct" if i == 0 else None,
-        )
+    _direct(ax, runs.get("direct"), preempt_times)
     ax.axhline(CAPACITY_BLOCKS, color="black", linewidth=0.8, label="capacity (63 blocks)")
     budget = series("budget_blocks")
     if budget and not math.isnan(budget[-1]):
