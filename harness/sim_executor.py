@@ -88,6 +88,20 @@ FILLER_LOGPROB = -100.0
 MAX_LOGPROBS = 20
 
 
+def _length(value: Any, req_id: str) -> int | None:
+    """A request's ``sim_output_tokens``; one that is not a number is ignored (with a warning),
+    never an exception inside the engine's step, which would end the engine."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        logger.warning(
+            "request %s: %s=%r is not a number; ignored", req_id, OUTPUT_TOKENS_KEY, value
+        )
+        return None
+
+
 @dataclass
 class _Seq:
     """What the executor remembers of one request (as a model runner keeps its input batch)."""
@@ -304,7 +318,7 @@ class SimEngine:
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
             extra = (sp.extra_args or {}) if sp is not None else {}
-            target = extra.get(OUTPUT_TOKENS_KEY)
+            target = _length(extra.get(OUTPUT_TOKENS_KEY), new.req_id)
             prompt = new.prompt_len
             # vLLM's model runner V2 resends a resumed (preempted) request as a new one whose
             # prefill_token_ids hold the prompt and what it had generated
@@ -313,7 +327,7 @@ class SimEngine:
                 prompt_tokens=prompt,
                 output_tokens=max(0, total - prompt),
                 computed_tokens=new.num_computed_tokens,
-                target_tokens=int(target) if target is not None else None,
+                target_tokens=target,
                 eos_token_id=sp.eos_token_id if sp is not None else None,
                 min_tokens=sp.min_tokens if sp is not None else 0,
                 num_logprobs=sp.logprobs if sp is not None else None,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from harness import sim_cost
+from harness import gpus, sim_cost
 from harness.gpus import GIB, GPUS, gpu
 from harness.sim_cost import ModelShape, SeqWork, memory_budget, step_cost
 
@@ -190,3 +191,9 @@ def test_gpu_names() -> None:
     assert GPUS["a100-80gb"].memory_bytes / GIB == 80.0
     with pytest.raises(ValueError, match="known: a100-80gb, h100-80gb, h200-141gb"):
         gpu("b200")
+
+
+@pytest.mark.parametrize("module", [gpus, sim_cost])
+def test_doctests(module: object) -> None:
+    result = doctest.testmod(module)  # type: ignore[arg-type]
+    assert result.attempted > 0 and result.failed == 0

@@ -102,6 +102,8 @@ def test_models_lists_the_served_model(sim: SimServer) -> None:
         ),
         ({"max_tokens": 5, "vllm_xargs": {"sim_output_tokens": 50}}, 5, "length"),
         ({"max_tokens": 40, "min_tokens": 20, "vllm_xargs": {"sim_output_tokens": 10}}, 20, "stop"),
+        # a length that is not a number is ignored, and the engine lives on
+        ({"max_tokens": 7, "vllm_xargs": {"sim_output_tokens": "many"}}, 7, "length"),
     ],
 )
 def test_a_request_ends_where_the_workload_says(
