@@ -30,7 +30,7 @@ from sidecar.engine.health import HealthMonitor
 from sidecar.engine.scraper import Scraper
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.errors import ConfigError
-from sidecar.http.clients import OWN_CONNECTIONS, make_client, make_transport
+from sidecar.http.clients import make_transport, own_client
 from sidecar.http.engine_setup import EngineDiscovery, close_counter
 from sidecar.http.lifecycle import ReadyCheck, drain, serve_until_stopped
 from sidecar.http.ops import build_ops_app
@@ -70,13 +70,7 @@ class Sidecar:
         self.registry = registry if registry is not None else CollectorRegistry()
         # the proxy's pool: the relay sends on the transport directly (each client's own headers)
         self.transport = make_transport(settings)
-        key = settings.upstream_api_key
-        # the sidecar's own calls to vLLM carry vLLM's --api-key; clients' requests carry theirs
-        self.own_client = make_client(
-            settings,
-            transport=make_transport(settings, OWN_CONNECTIONS),
-            headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
-        )
+        self.own_client = own_client(settings)
         self.scraper = Scraper(
             self.own_client, settings.upstream + "/metrics", interval=settings.scrape_interval
         )

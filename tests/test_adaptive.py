@@ -144,8 +144,9 @@ def _costly(ac: AdmissionController, clock: Clock, *, per_token: float) -> None:
 
 def test_long_prompts_are_held_back_where_a_recompute_is_costly_and_short_ones_are_not() -> None:
     """On an engine where a prefill token costs 1e-4 s against a 10 ms decode step, a recompute
-    of a 1,500-token prompt and its cold 256 costs ~16 steps: too costly to risk on a guess, so a cold sidecar
-    reserves it to max_tokens; a 100-token prompt costs ~1 step and is risked at the floor."""
+    of a 1,500-token prompt and its cold 256 costs ~16 steps: too costly to risk on a guess, so
+    a cold sidecar reserves it to max_tokens; a 100-token prompt costs ~1 step and is risked at
+    the floor."""
     clock = Clock()
     ac = controller(clock)
     _costly(ac, clock, per_token=1e-4)

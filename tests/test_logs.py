@@ -223,4 +223,4 @@ def test_unknown_log_format_is_one_line_error(upstream: FakeServer) -> None:
     code = sc.proc.wait(timeout=30) if sc.proc is not None else None
     assert code == 2
     log = sc.log()
-    assert "log_format" in log and "Traceback" not in log
+    assert "--log-format (KV_SIDECAR_LOG_FORMAT)" in log and "Traceback" not in log

@@ -35,6 +35,17 @@ def upstream_timeout(settings: Settings) -> httpx.Timeout:
     )
 
 
+def own_client(settings: Settings, connections: int = OWN_CONNECTIONS) -> httpx.AsyncClient:
+    """The sidecar's own small client to vLLM (scrapes, /health, discovery, /tokenize): its own
+    ``connections``, carrying vLLM's --api-key when set (clients' requests carry their own)."""
+    key = settings.upstream_api_key
+    return make_client(
+        settings,
+        transport=make_transport(settings, connections),
+        headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
+    )
+
+
 def make_client(
     settings: Settings,
     *,

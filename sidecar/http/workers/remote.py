@@ -53,7 +53,7 @@ class OwnerLink:
         self.gate = RemoteGate(self)
         self.metrics = RemoteMetrics(self)
         #: called with each engine config the owner sends (the worker builds its counter)
-        self.on_config: Callable[[EngineConfig | None], None] = lambda config: None
+        self._on_config: Callable[[EngineConfig | None], None] = lambda config: None
         self._asks: dict[int, tuple[asyncio.Future[Decision], Ask]] = {}
         self._orphans: set[int] = set()  # asks whose waiter left: a grant is released at once
         self._next_ask = 0
@@ -75,7 +75,7 @@ class OwnerLink:
         """Read the owner's messages until it goes away; then fail what still waits."""
         reporter = asyncio.ensure_future(self._report_forever())
         try:
-            self.dispatch_early()
+            self._dispatch_early()
             while True:
                 for message in await self.channel.receive():
                     self._dispatch(message)
@@ -91,9 +91,15 @@ class OwnerLink:
                     future.set_result(_owner_gone())
             self._asks.clear()
 
-    def dispatch_early(self) -> None:
-        """Apply what came with the settings (the engine config, a drain), once the worker has
-        set :attr:`on_config`."""
+    def follow_config(self, on_config: Callable[[EngineConfig | None], None]) -> None:
+        """Call ``on_config`` with each engine config the owner sends, from the one that came
+        with the settings on (the worker builds its prompt counter from it)."""
+        self._on_config = on_config
+        self._dispatch_early()
+
+    def _dispatch_early(self) -> None:
+        """Apply what came with the settings (the engine config, a drain), once the worker
+        follows the config."""
         early, self._early = self._early, []
         for message in early:
             self._dispatch(message)
@@ -108,7 +114,7 @@ class OwnerLink:
             case wire.Answer():
                 self._decided(message)
             case wire.Config(engine):
-                self.on_config(engine)
+                self._on_config(engine)
             case wire.Draining(draining):
                 self.traffic.draining = draining
             case _:

@@ -28,7 +28,7 @@ import httpx
 
 from sidecar.config import Settings
 from sidecar.engine.discovery import EngineConfig
-from sidecar.http.clients import make_client, make_transport
+from sidecar.http.clients import make_transport, own_client
 from sidecar.http.engine_setup import build_counter, close_counter, counter_key
 from sidecar.http.seams import Engine
 from sidecar.http.serving import Server, build_proxy, uvicorn_config
@@ -123,15 +123,9 @@ async def serve_worker(socket_path: str, listen_fd: int, index: int) -> int:
     transport = make_transport(
         settings, max(1, math.ceil(settings.upstream_max_connections / workers))
     )
-    key = settings.upstream_api_key
-    own_client = make_client(
-        settings,
-        transport=make_transport(settings, _OWN_CONNECTIONS),
-        headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,
-    )
-    engines = Engines(link, own_client, settings, workers=workers)
-    link.on_config = engines.on_config
-    link.dispatch_early()
+    client = own_client(settings, _OWN_CONNECTIONS)
+    engines = Engines(link, client, settings, workers=workers)
+    link.follow_config(engines.on_config)
     # Accept only once prompts can be counted: until then the other workers take the
     # connections (the socket is shared), rather than this one answering 503.
     await engines.first(FIRST_ENGINE_TIMEOUT)
@@ -176,7 +170,7 @@ async def serve_worker(socket_path: str, listen_fd: int, index: int) -> int:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(5):
                 await transport.aclose()
-                await own_client.aclose()
+                await client.aclose()
         if tracing is not None:
             tracing.shutdown()
     return code
