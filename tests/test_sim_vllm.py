@@ -31,11 +31,13 @@ pytestmark = pytest.mark.vllm
 
 MODEL = "llama-3.1-8b-instruct"
 GPU = "h100-80gb"
-#: 0.2275 x 79.65 GiB = 18.12 GiB requested - 17.62 GiB (weights, activations, other) leaves
-#: about 0.5 GiB: some 250 blocks of 16 tokens x 128 KiB per token.
-UTILIZATION = 0.2275
+#: 0.22 x 79.65 GiB = 17.52 GiB requested - 17.02 GiB (weights, activations, other) leaves
+#: about 0.5 GiB: 256 blocks of 16 tokens x 128 KiB per token.
+UTILIZATION = 0.22
 MAX_MODEL_LEN = 2048
 BLOCK = 16
+#: small enough that a prompt of the 2k context is prefilled in chunks
+MAX_NUM_BATCHED_TOKENS = 1024
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,12 @@ def sim() -> Iterator[SimServer]:
         model=MODEL,
         gpu=GPU,
         max_model_len=MAX_MODEL_LEN,
-        extra_args=["--gpu-memory-utilization", str(UTILIZATION)],
+        extra_args=[
+            "--gpu-memory-utilization",
+            str(UTILIZATION),
+            "--max-num-batched-tokens",
+            str(MAX_NUM_BATCHED_TOKENS),
+        ],
     )
     server.start()
     try:
@@ -147,7 +154,7 @@ def expected_budget() -> sim_cost.MemoryBudget:
         shape,
         spec,
         gpu_memory_utilization=UTILIZATION,
-        max_num_batched_tokens=spec.default_max_num_batched_tokens,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=spec.default_max_num_seqs,
     )
 
@@ -258,6 +265,53 @@ def test_each_step_moves_kv_usage_by_exactly_the_blocks_expected(sim: SimServer)
         assert sim.state()["steps"] - steps0 == length
         assert answers and answers[0]["usage"]["completion_tokens"] == length
         assert answers[0]["usage"]["prompt_tokens"] == tokens
+    finally:
+        sim.set_mode("roofline")
+
+
+def wait_for_usage(sim: SimServer, blocks: int, num_blocks: int, timeout: float = 30.0) -> None:
+    """Until vLLM's KV usage reads ``blocks`` held (the engine is held still in manual mode, so
+    the gauge settles on the value after the last step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = round(metrics(sim)["vllm:kv_cache_usage_perc"] * (num_blocks - 1))
+        if held == blocks:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV usage reads {held} blocks, expected {blocks}")
+        time.sleep(0.01)
+
+
+def test_a_chunked_prefill_samples_only_at_its_last_chunk(sim: SimServer) -> None:
+    num_blocks = int(cache_config(sim)["num_gpu_blocks"])
+    prompt = "chunked prefill of a long prompt " * 120
+    tokens = httpx.post(
+        sim.url + "/tokenize", json={"model": sim.served_name, "prompt": prompt}, timeout=10
+    ).json()["count"]
+    chunks = math.ceil(tokens / MAX_NUM_BATCHED_TOKENS)
+    assert chunks >= 2 and tokens + 3 <= MAX_MODEL_LEN
+    answers: list[dict[str, Any]] = []
+    sim.set_mode("manual")
+    try:
+        thread = threading.Thread(
+            target=lambda: answers.append(
+                complete(sim, prompt=prompt, max_tokens=3, vllm_xargs={"sim_output_tokens": 3})
+            )
+        )
+        thread.start()
+        sim.wait_waiting()
+        for c in range(1, chunks + 1):
+            last = sim.step(1)["last_step"]
+            computed = min(c * MAX_NUM_BATCHED_TOKENS, tokens)
+            assert last["tokens"] == computed - (c - 1) * MAX_NUM_BATCHED_TOKENS
+            assert last["sampled"] == (1 if c == chunks else 0)  # no token for a partial chunk
+            wait_for_usage(sim, math.ceil(computed / BLOCK), num_blocks)
+        for _ in range(2):  # two decode steps, the second samples the EOS
+            last = sim.step(1)["last_step"]
+            assert (last["tokens"], last["sampled"]) == (1, 1)
+        thread.join(timeout=30)
+        assert answers and answers[0]["usage"]["completion_tokens"] == 3
+        wait_for_usage(sim, 0, num_blocks)
     finally:
         sim.set_mode("roofline")
 
