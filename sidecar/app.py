@@ -87,6 +87,8 @@ class Sidecar:
             reservation=settings.reservation,
             expected_quantile=settings.expected_quantile,
             expected_prior=settings.expected_prior,
+            risk_steps=settings.risk_steps,
+            tpot_target=settings.tpot_target,
             stale_after=settings.metrics_stale_after,
             stale_policy=settings.stale_policy,
         )

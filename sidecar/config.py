@@ -137,9 +137,21 @@ class Settings(BaseSettings):
     at once with 429 counting_busy and a Retry-After (docs/counting-load.md)."""
     headroom: float = Field(default=0.05, ge=0, lt=1)
     """Share of KV blocks never promised to requests."""
-    reservation: ReservationMode = ReservationMode.worst_case
-    """worst-case: every request may run to max_tokens; expected: a learned answer length per
-    request class (endpoint and max_tokens bucket, or the x-kv-sidecar-class header)."""
+    reservation: ReservationMode = ReservationMode.adaptive
+    """adaptive: each request reserved to the quantile of its class's answer lengths at which
+    the recompute a preemption would cost on this engine is at most --risk-steps decode steps
+    (lengths from vLLM's own history at the first scrape, 256 output tokens where nothing is
+    known and a recompute is cheap); worst-case: every request may run to max_tokens (no
+    preemption, ever); expected: a learned length per request class (endpoint and max_tokens
+    bucket, or the x-kv-sidecar-class header) at --expected-quantile."""
+    risk_steps: float = Field(default=1.0, gt=0)
+    """adaptive mode: decode steps of recompute a request may risk, as the chance that its answer
+    runs past its reservation times what its recompute would cost (README: How admission
+    decides)."""
+    tpot_target: float | None = Field(default=None, gt=0)
+    """Seconds a decode step may take: a request whose sequences would make vLLM's step slower
+    than this (by the step time learned against the batch) waits, or is refused with 429
+    latency_target under --policy reject. Unset: no target."""
     expected_quantile: float = Field(default=0.95, gt=0, lt=1)
     """Quantile of a request class's answer lengths reserved in expected mode."""
     expected_prior: float = Field(default=1.0, gt=0, le=1)

@@ -29,6 +29,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
 #: never test modules, and ``--doctest-modules`` must not import them.
 collect_ignore = ["fixtures"]
 
+#: Most tests here were written for the zero-preemption guarantee and count blocks as
+#: worst-case mode reserves them: every sidecar the suite builds or starts (in-process Settings
+#: and SidecarProcess inherit the environment) runs in that mode unless a test names another.
+#: The default itself (adaptive) is asserted in tests/test_cli.py with this variable removed,
+#: and the tests of adaptive admission pass --reservation adaptive.
+os.environ.setdefault("KV_SIDECAR_RESERVATION", "worst-case")
+
 #: The session server's KV pool: small enough that a burst of long requests preempts.
 SESSION_BLOCKS = 64
 

@@ -14,6 +14,7 @@ import pytest
 
 from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
 from harness.workload import SidecarProcess, metric_value
+from sidecar.config import ReservationMode, Settings
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 QWEN = str(CONFIGS / "qwen2.5-7b-instruct.json")
@@ -147,10 +148,18 @@ def refused(upstream: FakeServer, *args: str, env: dict[str, str] | None = None)
     return lines[0].removeprefix("kv-sidecar serve: error: ")
 
 
+def test_the_default_reservation_is_adaptive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """conftest pins worst-case for the suite; without that, a sidecar reserves adaptively."""
+    monkeypatch.delenv("KV_SIDECAR_RESERVATION", raising=False)
+    settings = Settings(_cli_parse_args=[])  # type: ignore[call-arg]
+    assert settings.reservation is ReservationMode.adaptive
+    assert (settings.risk_steps, settings.tpot_target) == (1.0, None)
+
+
 @pytest.mark.parametrize(
     ("args", "env"),
     [
-        (["--reservation", "worst_case"], {}),  # the default as `serve --help` prints it
+        (["--reservation", "worst_case"], {}),  # as `serve --help` prints worst-case
         (["--reservation", "worst-case"], {}),  # the value, as the choices list it
         (["--reservation=worst_case"], {}),
         ([], {"KV_SIDECAR_RESERVATION": "worst_case"}),
