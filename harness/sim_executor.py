@@ -28,7 +28,8 @@ them):
     KV_SIDECAR_SIM_STEP      "roofline" (default): each step sleeps the cost model's time;
                              "manual": each step waits for a grant on the control channel and
                              then returns at once; a number: every step takes that many seconds
-    KV_SIDECAR_SIM_CONTROL   host:port for the control channel (any mode; required by manual)
+    KV_SIDECAR_SIM_CONTROL   host:port for the control channel (any mode; required by manual);
+                             data-parallel engine i listens on port + i
     KV_SIDECAR_SIM_TOKEN_ID  the token id emitted for every generated token but EOS
 
 The control channel is plain HTTP with JSON answers:
@@ -214,7 +215,11 @@ class SimEngine:
         self._control: ThreadingHTTPServer | None = None
         control = os.environ.get(ENV_CONTROL, "")
         if control:
-            self._control = _serve_control(self, control)
+            # with data parallelism each engine core has its executor: engine i listens on
+            # port + i
+            host, _, port = control.rpartition(":")
+            rank = self.parallel_config.data_parallel_index or 0
+            self._control = _serve_control(self, f"{host}:{int(port) + rank}")
         elif self.mode == "manual":
             raise ValueError(f"{ENV_STEP}=manual needs {ENV_CONTROL}=host:port")
 
