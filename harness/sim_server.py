@@ -66,6 +66,13 @@ class SimServer:
     def served_name(self) -> str:
         return model_config(self.model).stem
 
+    @property
+    def model_dir(self) -> Path:
+        """The directory it serves (config.json and tokenizer): what a sidecar in front reads."""
+        from harness.sim_vllm import model_dir
+
+        return model_dir(model_config(self.model))
+
     def command(self) -> list[str]:
         cmd = [
             str(vllm_python()),

@@ -147,6 +147,66 @@ def test_a_streamed_chat_ends_at_its_length(sim: SimServer) -> None:
     assert usage is not None and usage["completion_tokens"] == 12
 
 
+def test_a_sidecar_in_front_sees_the_gpu_pool_and_passes_the_length_through(
+    sim: SimServer,
+) -> None:
+    from harness.vllm_cpu import free_port
+
+    port, metrics_port = free_port(), free_port()
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "sidecar", "serve",
+            "--upstream", sim.url,
+            "--port", str(port),
+            "--metrics-port", str(metrics_port),
+            "--model-config", str(sim.model_dir),
+        ],
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).status_code:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, "the sidecar exited"
+            assert time.monotonic() < deadline, "the sidecar did not start"
+            time.sleep(0.2)
+        body = {
+            "model": sim.served_name,
+            "prompt": "through the sidecar",
+            "max_tokens": 100,
+            "vllm_xargs": {"sim_output_tokens": 17},
+        }
+        deadline = time.monotonic() + 60
+        while True:  # until the sidecar has discovered vLLM and admits
+            resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+            if resp.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 17  # the sidecar saw max_tokens 100
+        exposed = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        capacity = {
+            s.name: s.value
+            for f in text_string_to_metric_families(exposed)
+            for s in f.samples
+            if s.name == "kv_sidecar_kv_capacity_blocks"
+        }
+        # vLLM's pool less its null block
+        assert capacity == {
+            "kv_sidecar_kv_capacity_blocks": int(cache_config(sim)["num_gpu_blocks"]) - 1
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def expected_budget() -> sim_cost.MemoryBudget:
     spec = gpu(GPU)
     shape = sim_cost.ModelShape.from_config(json.loads(model_config(MODEL).read_text()))
