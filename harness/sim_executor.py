@@ -83,6 +83,8 @@ ENV_TOKEN = "KV_SIDECAR_SIM_TOKEN_ID"
 #: The key in a request's sampling ``extra_args`` (OpenAI ``vllm_xargs``) giving its length.
 OUTPUT_TOKENS_KEY = "sim_output_tokens"
 DEFAULT_TOKEN_ID = 100
+#: vLLM's block size on CUDA GPUs when none is given.
+GPU_DEFAULT_BLOCK_SIZE = 16
 #: Log-probs asked for are answered with the sampled token at 0 and the rest at this value
 #: (finite: OpenAI's JSON has no -inf), at most this many alternatives.
 FILLER_LOGPROB = -100.0
@@ -244,7 +246,11 @@ class SimEngine:
 
     def kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         mc, pc = self.model_config, self.parallel_config
+        # vLLM's CPU platform picks 128 when no --block-size is given; a GPU's default is 16.
+        # The engine core takes the block size from these specs (and tells the API server).
         block_size = self.cache_config.block_size
+        if not getattr(self.cache_config, "user_specified_block_size", True):
+            block_size = GPU_DEFAULT_BLOCK_SIZE
         layers = mc.get_num_layers(pc)
         head_size = mc.get_head_size()
         window = mc.get_sliding_window()
