@@ -42,6 +42,8 @@ CONFIGS = [
     "sidecar-expected-reject",
     "sidecar-expected-warm-queue",
     "sidecar-expected-optimistic-queue",
+    "sidecar-adaptive-queue",
+    "sidecar-adaptive-reject",
     "oracle",
 ]
 #: expected mode's cold starts besides the default (prior 1: worst case until a class has enough
