@@ -1,12 +1,16 @@
 """Admission: forward now, queue, or refuse, against the KV budget.
 
-The budget is the blocks vLLM can hand out (from its ``/metrics``) less ``--headroom``. What a
-request needs is judged the way vLLM spends KV (``sidecar.kv.trajectory``): the peak, over the
-future, of the in-flight requests' trajectories plus the candidate's, each running to its
-reserved end (``max_tokens`` in worst-case mode, a learned length in expected mode) and freeing
-its blocks when it ends, with shared prompt blocks counted once. Added to it is whatever vLLM
-holds beyond the ledger's prediction (traffic that bypasses the sidecar); and the candidate's
-prompt must fit beside what vLLM reports taken now. A request that fits is admitted; otherwise,
+The controller keeps the queue, the waiting and the bookkeeping; whether a request fits is
+``sidecar.admission.fit`` (pure functions of the in-flight ledger, the candidate and the pool's
+state). The budget is the blocks vLLM can hand out (from its ``/metrics``) less ``--headroom``.
+What a request needs is judged the way vLLM spends KV (``sidecar.kv.trajectory``): the peak, over
+the future, of the in-flight requests' trajectories plus the candidate's, each running to its
+reserved end (``max_tokens`` in worst-case mode, a learned length in expected mode, a length
+quantile chosen by the recompute's cost in adaptive mode) and freeing its blocks when it ends,
+with shared prompt blocks counted once. Added to it is whatever vLLM holds beyond the ledger's
+prediction (traffic that bypasses the sidecar); and the candidate's prompt must fit beside what
+vLLM reports taken now; with ``--tpot-target``, the batch with it must keep vLLM's decode step
+within the target. A request that fits is admitted; otherwise,
 by policy, it is refused with 429 at once or waits in a FIFO queue (only the head may be
 admitted, so a large request is not starved by small ones behind it) that is re-evaluated on
 every release and every scrape. A refusal's Retry-After is when the trajectories say the request
