@@ -207,6 +207,28 @@ def test_a_sidecar_in_front_sees_the_gpu_pool_and_passes_the_length_through(
         proc.wait(timeout=30)
 
 
+def test_the_calibration_script_compares_two_servers(
+    sim: SimServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its plumbing, with the simulation standing in for the real engine (no GPU here)."""
+    from harness import sim_calibrate
+
+    argv = ["--real-url", sim.url, "--sim-url", sim.url, "--concurrency", "1,2"]
+    argv += ["--requests", "1", "--input-len", "64", "--output-len", "8", "--json"]
+    assert sim_calibrate.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    figures = {(r["concurrency"], r["figure"]) for r in rows}
+    assert figures == {
+        (c, f)
+        for c in (1, 2)
+        for f in ("itl_step_s", "prefill_s", "ttft_s", "tpot_s", "latency_s", "output_tok_per_s")
+    }
+    for row in rows:
+        if row["figure"] in ("itl_step_s", "tpot_s"):
+            # the same server twice: its decode step, measured two ways, agrees with itself
+            assert row["sim_slower"] == pytest.approx(1.0, rel=0.5)
+
+
 def expected_budget() -> sim_cost.MemoryBudget:
     spec = gpu(GPU)
     shape = sim_cost.ModelShape.from_config(json.loads(model_config(MODEL).read_text()))
