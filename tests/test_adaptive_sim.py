@@ -1,0 +1,194 @@
+"""Adaptive admission (the default) in front of vLLM's own server and scheduler on the simulated
+GPU (``harness.sim_vllm``), stepped by hand: a cold sidecar runs chats without ``max_tokens`` at
+vLLM's own concurrency where worst-case holds them to two, and a sidecar started beside a vLLM
+that has answered takes its first lengths from vLLM's history.
+
+One simulated server per module: Llama-3.1-8B's config on an H100 80 GB with 400 blocks of 16
+tokens and a 2,048-token context. In manual mode the engine runs a step only when the test grants
+it, so nothing ends while the test reads the sidecar's state; answers' lengths ride in
+``vllm_xargs`` (``sim_output_tokens``), which the sidecar never reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from harness.exposition import metric_value
+from harness.sim_server import SimServer
+from harness.workload import SidecarProcess
+from sidecar.admission.learner import LengthLearner
+from sidecar.engine.snapshot import parse_vllm_metrics
+
+pytestmark = pytest.mark.vllm
+
+BLOCKS = 400
+BLOCK = 16
+MAX_MODEL_LEN = 2048
+QUESTION = "tell me about the cache " * 12
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimServer]:
+    server = SimServer(
+        model="llama-3.1-8b-instruct",
+        gpu="h100-80gb",
+        max_model_len=MAX_MODEL_LEN,
+        extra_args=["--num-gpu-blocks-override", str(BLOCKS)],
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def sidecar(sim: SimServer, reservation: str) -> SidecarProcess:
+    return SidecarProcess(
+        sim.url,
+        "--reservation",
+        reservation,
+        "--model-config",
+        str(sim.model_dir),
+        "--policy",
+        "queue",
+        "--scrape-interval",
+        "0.1",
+    )
+
+
+def chat_body(sim: SimServer, length: int) -> dict[str, Any]:
+    """A streamed chat that names no max_tokens (the rest of the context, as vLLM reads it) and
+    ends after ``length`` tokens in the simulation."""
+    return {
+        "model": sim.served_name,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "stream": True,
+        "vllm_xargs": {"sim_output_tokens": length},
+    }
+
+
+def prompt_tokens(sim: SimServer) -> int:
+    body = {"model": sim.served_name, "messages": [{"role": "user", "content": QUESTION}]}
+    return int(httpx.post(sim.url + "/tokenize", json=body, timeout=10).json()["count"])
+
+
+def wait_decided(sc: SidecarProcess, count: int, timeout: float = 60.0) -> dict[str, Any]:
+    """The sidecar's /state once ``count`` requests are in flight or queued."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = sc.state()
+        if state["in_flight"] + state["queue_depth"] >= count:
+            return state
+        assert time.monotonic() < deadline, f"not {count} decided: {state}"
+        time.sleep(0.05)
+
+
+async def _hold(url: str, bodies: list[dict[str, Any]], ready: asyncio.Event) -> None:
+    """Open every stream and keep it open until ``ready`` is set (then leave: vLLM aborts)."""
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def one(body: dict[str, Any]) -> None:
+            async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status_code == 200, await resp.aread()
+                await ready.wait()
+
+        tasks = [asyncio.ensure_future(one(b)) for b in bodies]
+        await ready.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def admitted_while_held(sim: SimServer, sc: SidecarProcess, count: int) -> dict[str, Any]:
+    """Send ``count`` chats with the engine stopped; the sidecar's state once all are decided."""
+
+    async def run() -> dict[str, Any]:
+        ready = asyncio.Event()
+        held = asyncio.ensure_future(_hold(sc.url, [chat_body(sim, 100)] * count, ready))
+        try:
+            return await asyncio.to_thread(wait_decided, sc, count)
+        finally:
+            ready.set()
+            await held
+
+    sim.set_mode("manual")
+    try:
+        return asyncio.run(run())
+    finally:
+        sim.set_mode("roofline")
+        wait_idle(sim)
+
+
+def wait_idle(sim: SimServer, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(sim.url + "/metrics", timeout=10).text
+        busy = (metric_value(text, "vllm:num_requests_running") or 0) + (
+            metric_value(text, "vllm:num_requests_waiting") or 0
+        )
+        if busy == 0:
+            return
+        assert time.monotonic() < deadline, "vLLM did not go idle"
+        time.sleep(0.1)
+
+
+def test_a_cold_sidecar_admits_chats_without_max_tokens_to_vllms_concurrency(
+    sim: SimServer,
+) -> None:
+    """Twelve chats of ~100 prompt tokens and no max_tokens on 400 blocks of 16 (380 after the
+    default 5 % headroom). vLLM itself would run all twelve (it admits by the prompt). Worst-case
+    reserves each to the end of the 2,048-token context (128 blocks): two or three run (three by
+    their future peak once two have started), the rest wait. A cold
+    adaptive sidecar (a vLLM that has answered nothing) risks 256 output tokens each (about 23
+    blocks): all twelve run at once."""
+    text = httpx.get(sim.url + "/metrics", timeout=10).text
+    assert (metric_value(text, "vllm:request_generation_tokens_count") or 0) == 0  # premise
+    with sidecar(sim, "worst-case") as worst:
+        state = admitted_while_held(sim, worst, 12)
+    assert state["in_flight"] <= 3 and state["in_flight"] + state["queue_depth"] == 12, state
+    with sidecar(sim, "adaptive") as adaptive:
+        state = admitted_while_held(sim, adaptive, 12)
+        per_request = math.ceil((prompt_tokens(sim) + 256) / BLOCK)
+    assert (state["in_flight"], state["queue_depth"]) == (12, 0), state
+    assert state["reserved_blocks"] == 12 * per_request, state
+
+
+def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_history(
+    sim: SimServer,
+) -> None:
+    """vLLM answers 24 completions of 40 tokens first (its vllm:request_generation_tokens
+    histogram: bucket 50). A sidecar started after that reserves a chat without max_tokens to
+    what that history says (the 0.75-quantile bound of it, each bucket at its upper bound), not
+    to the end of the context and not to the cold 256."""
+
+    async def answer_directly() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {
+                "model": sim.served_name,
+                "prompt": "history",
+                "max_tokens": 500,
+                "vllm_xargs": {"sim_output_tokens": 40},
+            }
+            for resp in await asyncio.gather(
+                *(client.post(sim.url + "/v1/completions", json=body) for _ in range(24))
+            ):
+                assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 40
+
+    asyncio.run(answer_directly())
+    wait_idle(sim)
+    history = parse_vllm_metrics(httpx.get(sim.url + "/metrics", timeout=10).text, taken_at=0)
+    learner = LengthLearner()
+    assert learner.seed(history.generation_lengths) >= 24
+    expected = learner.bound("chat:none", 0.75)
+    assert expected is not None and expected <= 50, history.generation_lengths
+    with sidecar(sim, "adaptive") as sc:
+        state = admitted_while_held(sim, sc, 1)
+        tokens = prompt_tokens(sim)
+    assert state["reserved_blocks"] == math.ceil((tokens + expected) / BLOCK), (state, expected)
