@@ -200,6 +200,7 @@ class SimEngine:
         self.kv_dtype_bytes = self.kv_dtype.itemsize
         self.mode = "roofline"
         self.fixed_step_seconds: float | None = None
+        self._busy = False
         self.gate = StepGate(manual=False)
         self.set_mode(os.environ.get(ENV_STEP, "roofline"))
         self.token_id = int(os.environ.get(ENV_TOKEN, DEFAULT_TOKEN_ID))
@@ -208,7 +209,6 @@ class SimEngine:
         self.last_step: StepRecord | None = None
         self._prev_end = 0.0
         self._prev_cost = 0.0
-        self._busy = False
         #: wall seconds by which busy steps ended later than the simulated GPU would have
         #: finished them: the engine's own CPU work (scheduling, output processing, the HTTP
         #: server) that the previous step could not hide. Small against simulated_seconds
@@ -240,6 +240,7 @@ class SimEngine:
                 raise ValueError(f"a fixed step time must not be negative, got {fixed}")
             mode = "fixed"
         self.mode, self.fixed_step_seconds = mode, fixed
+        self._busy = False  # the time until the next step is not lag of this engine
         self.gate.set_manual(mode == "manual")
 
     # --- startup: what a GPU worker reports ---
@@ -389,7 +390,8 @@ class SimEngine:
             self.shape, self.gpu, batch, tp=self.tp, kv_dtype_bytes=self.kv_dtype_bytes
         )
         seconds = self._sleep(arrived, cost.seconds)
-        self._busy = continues
+        # a pause for a manual grant is the test's time, not the engine's CPU lag
+        self._busy = continues and self.mode != "manual"
         self.simulated_seconds += seconds
         self.last_step = StepRecord(
             requests=len(req_ids),
