@@ -483,6 +483,15 @@ def test_pools_at_scale_agree_with_kv_sidecar_plan() -> None:
         ]
         for m, g, tp, mml in POOLS
     ]
+    # and vLLM's own overrides of the sizing, as on a GPU
+    overridden = [
+        ["--model-config", str(model_config(MODEL)), "--max-model-len", "1024", *extra]
+        for extra in (
+            ["--num-gpu-blocks-override", "100"],
+            ["--kv-cache-memory-bytes", str(1 << 30)],
+        )
+    ]
+    argvs += overridden
     script = (
         "import json, sys\n"
         "from harness.sim_vllm import dry_run\n"
@@ -499,7 +508,11 @@ def test_pools_at_scale_agree_with_kv_sidecar_plan() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("SIM-POOLS ")]
-    pools = json.loads(line.removeprefix("SIM-POOLS "))
+    *pools, blocks_override, memory_override = json.loads(line.removeprefix("SIM-POOLS "))
+    assert blocks_override["num_gpu_blocks"] == 100
+    # 1 GiB over 2 MiB blocks (16 tokens x 128 KiB)
+    assert memory_override["kv_cache_memory_bytes"] == 1 << 30
+    assert memory_override["num_gpu_blocks"] == 512
     for (model, gpu_name, tp, mml), pool in zip(POOLS, pools, strict=True):
         spec = gpu(gpu_name)
         assert pool["block_size"] == BLOCK
