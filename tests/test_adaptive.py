@@ -185,3 +185,37 @@ def test_the_decode_step_target_holds_a_larger_batch_back() -> None:
     _costly(empty, clock, per_token=2e-4)
     d = empty.try_admit(Ask(chat(100, 16), streamed=True))
     assert d is not None and d.admitted
+
+
+def completion(prompt: int, max_tokens: int) -> Projection:
+    return project_counts(
+        (prompt,), requested_max_tokens=max_tokens, n=1, max_model_len=MAX_MODEL_LEN, blocks=BLOCKS
+    )
+
+
+def test_a_named_max_tokens_is_reserved_whole_where_answers_run_to_it() -> None:
+    """vLLM's history: 100 answers of at most 100 tokens. Where most of vLLM's answers ended at
+    their max_tokens (finished_reason "length": ignore_eos, or capped answers), a request of a
+    class with no answers of its own that names max_tokens 800 is that likely to use it all, and
+    is reserved 800; where most stopped on their own, it takes the history's bound (100). A chat
+    that names no max_tokens takes the history's bound either way."""
+    history = ((50.0, 20.0), (100.0, 100.0), (float("inf"), 100.0))
+    for at_length, stopped, named in ((90.0, 10.0, 800), (10.0, 90.0, 100)):
+        clock = Clock()
+        ac = controller(clock)
+        ac.on_snapshot(
+            snapshot(
+                clock,
+                generation_lengths=history,
+                answers_at_length=at_length,
+                answers_stopped=stopped,
+            )
+        )
+        assert ac.ends(completion(300, 800), "completions:1024") == (named,)
+        assert ac.ends(chat(300), "chat:none") == (100,)
+    # its own answers take over: six that stopped at 60 of 800
+    for _ in range(6):
+        d = ac.try_admit(Ask(completion(300, 800), streamed=True, klass="completions:1024"))
+        assert d is not None and d.reservation is not None
+        ac.release(d.reservation, 60)
+    assert ac.ends(completion(300, 800), "completions:1024") == (60,)

@@ -185,7 +185,11 @@ class AdmissionController:
             pool.view.update(part) for pool, part in zip(self.pools, parts, strict=True)
         )
         if self.reservation_mode is not ReservationMode.worst_case and snap.generation_lengths:
-            if self.learner.seed(snap.generation_lengths):
+            if self.learner.seed(
+                snap.generation_lengths,
+                at_length=snap.answers_at_length,
+                stopped=snap.answers_stopped,
+            ):
                 log.info(
                     "answer lengths: %d taken from vLLM's history (vllm:request_generation_tokens)",
                     self.learner.seeded,
@@ -265,20 +269,30 @@ class AdmissionController:
     ) -> int:
         """The length quantile whose recompute risk is at most ``risk_steps`` decode steps
         (``sidecar.admission.costs``), from the class's answers, else every class's (vLLM's
-        history included); a cold start risks :data:`COLD_OUTPUT_TOKENS` where a recompute is
-        cheap, and ``max_tokens`` where it is not. An answer past its end is expected to run to
-        twice what it has (``Reservation.end``), and vLLM's preemptions widen every end."""
-        likely = min(max_tokens, self.learner.likely(klass) or COLD_OUTPUT_TOKENS)
+        history included). A class with none of its own whose requests name their max_tokens
+        (``class:none`` names none) reserves all of it while at least ``1 - q`` of the answers
+        seen ran to their max_tokens (vLLM's ``finished_reason="length"``): such a request is
+        that likely to use it all. A cold start risks :data:`COLD_OUTPUT_TOKENS` where a
+        recompute is cheap, and ``max_tokens`` where it is not. An answer past its end is
+        expected to run to twice what it has (``Reservation.end``), and vLLM's preemptions widen
+        every end."""
+        learner = self.learner
+        likely = min(max_tokens, learner.likely(klass) or COLD_OUTPUT_TOKENS)
         steps = costs.recompute_steps(prompt_tokens + likely)
         quantile = reserve_quantile(steps, risk_steps=self.risk_steps)
         if quantile is None:
             return max_tokens
-        bound = self.learner.bound(klass, quantile)
+        bound = learner.own_bound(klass, quantile)
+        if bound is None:
+            named = not klass.endswith(":none")
+            if named and learner.length_share() >= 1.0 - quantile:
+                return max_tokens
+            bound = learner.global_bound(quantile)
         if bound is None:
             if quantile > COLD_QUANTILE:
                 return max_tokens
             bound = COLD_OUTPUT_TOKENS
-        return self.learner.boosted(min(bound, max_tokens), max_tokens)
+        return learner.boosted(min(bound, max_tokens), max_tokens)
 
     def _fits(self, pool: Pool, candidate: Reservation, stale: bool) -> bool:
         if not fits(
@@ -520,7 +534,9 @@ class AdmissionController:
         if res.released:
             return
         if completion_tokens is not None:
-            self.learner.observe(res.klass, completion_tokens // max(res.projection.sequences, 1))
+            per_sequence = completion_tokens // max(res.projection.sequences, 1)
+            at_max = per_sequence >= min(res.projection.max_tokens, default=0)
+            self.learner.observe(res.klass, per_sequence, at_max=at_max)
         for one in (res, *res.shadows):
             pool = self._pool_of(one)
             pool.ledger.release(one)

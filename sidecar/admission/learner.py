@@ -110,12 +110,20 @@ class LengthLearner:
         self._boost = 0.0
         self._boost_at = 0.0
         self.observed = 0  # answers observed (restored ones included)
+        self._at_length = 0.0  # answers that ran to their max_tokens ...
+        self._stopped = 0.0  # ... and that ended before it
         self.seeded = 0  # lengths taken from vLLM's histogram
         self._half_life = boost_half_life
         self._clock = clock
 
-    def observe(self, klass: str, completion_tokens: int) -> None:
-        """An answer of ``klass`` ended naturally after this many tokens (per sequence)."""
+    def observe(self, klass: str, completion_tokens: int, *, at_max: bool | None = None) -> None:
+        """An answer of ``klass`` ended naturally after this many tokens (per sequence);
+        ``at_max``: whether that was all of its max_tokens (None: not known)."""
+        if at_max is not None:
+            if at_max:
+                self._at_length += 1
+            else:
+                self._stopped += 1
         lengths = self._lengths.pop(klass, None)
         if lengths is None:
             lengths = deque(maxlen=self._window)
@@ -157,14 +165,29 @@ class LengthLearner:
         >>> learner.bound("chat:none", 0.75), learner.bound("chat:none", 0.95)
         (100, None)
         """
+        own = self.own_bound(klass, quantile)
+        return own if own is not None else self.global_bound(quantile)
+
+    def own_bound(self, klass: str, quantile: float) -> int | None:
+        """:meth:`bound` from the class's own answers alone."""
         key = (klass, quantile)
-        if key in self._bounds:
-            return self._bounds[key]
-        bound = self._order_bound(self._lengths.get(klass, ()), quantile)
-        if bound is None:
-            bound = self._order_bound(self._all, quantile)
-        self._bounds[key] = bound
-        return bound
+        if key not in self._bounds:
+            self._bounds[key] = self._order_bound(self._lengths.get(klass, ()), quantile)
+        return self._bounds[key]
+
+    def global_bound(self, quantile: float) -> int | None:
+        """:meth:`bound` from every class's answers (vLLM's history included)."""
+        key = ("", quantile)  # "" is never a class name (request_class names the endpoint)
+        if key not in self._bounds:
+            self._bounds[key] = self._order_bound(self._all, quantile)
+        return self._bounds[key]
+
+    def length_share(self) -> float:
+        """The share of answers that ran to their max_tokens (vLLM's ``finished_reason``
+        ``length`` at the first scrape, then the answers seen): how likely a request that names
+        its max_tokens is to use all of it (0 while nothing is known)."""
+        total = self._at_length + self._stopped
+        return self._at_length / total if total else 0.0
 
     def _order_bound(self, lengths: deque[int] | tuple[()], quantile: float) -> int | None:
         if not lengths:
@@ -172,14 +195,23 @@ class LengthLearner:
         rank = _order_statistic_rank(len(lengths), quantile, self.confidence)
         return None if rank is None else sorted(lengths)[rank - 1]
 
-    def seed(self, histogram: tuple[tuple[float, float], ...]) -> int:
+    def seed(
+        self,
+        histogram: tuple[tuple[float, float], ...],
+        *,
+        at_length: float = 0.0,
+        stopped: float = 0.0,
+    ) -> int:
         """Take vLLM's own answer lengths (``vllm:request_generation_tokens``: cumulative counts
         by upper bound) as every class's history, when nothing is known yet: a sidecar started
         beside a vLLM that has answered starts from what vLLM has seen. Each bucket stands for
         its upper bound (the +Inf bucket: up to max_tokens), in proportion, at most the window's
-        worth. Returns the lengths taken (0 when the learner already knows answers)."""
+        worth; ``at_length`` and ``stopped`` (vLLM's answers by ``finished_reason``) give
+        :meth:`length_share`. Returns the lengths taken (0 when the learner already knows
+        answers)."""
         if self._all or not histogram:
             return 0
+        self._at_length, self._stopped = at_length, stopped
         total = histogram[-1][1]
         if total <= 0:
             return 0

@@ -68,6 +68,8 @@ _ITL_COUNT = "inter_token_latency_seconds_count"
 #: answers' lengths (a histogram: cumulative counts by upper bound ``le``), what a cold sidecar
 #: takes its first expected lengths from
 _GENERATION_BUCKET = "request_generation_tokens_bucket"
+#: answers by how they ended (``finished_reason``): the share that ran to their max_tokens
+_SUCCESS = "request_success_total"
 #: tokens per engine step (a histogram): its count is the steps the engine made, its sum the
 #: tokens they processed (prefill and decode), what a step's cost per token is learned from
 _STEP_TOKENS_SUM = "iteration_tokens_total_sum"
@@ -91,6 +93,7 @@ _WANTED = frozenset(
         _ITL_SUM,
         _ITL_COUNT,
         _GENERATION_BUCKET,
+        _SUCCESS,
         _STEP_TOKENS_SUM,
         _STEPS,
         _LORA_INFO,
@@ -139,6 +142,8 @@ class EngineSnapshot:
     #: ``vllm:request_generation_tokens``: (upper bound, cumulative count) per bucket, +Inf last,
     #: summed over engines (the lengths of every answer vLLM finished since it started)
     generation_lengths: tuple[tuple[float, float], ...] = ()
+    answers_at_length: float = 0.0  # answers that ran to their max_tokens (finished "length")
+    answers_stopped: float = 0.0  # answers that ended on their own (finished "stop")
     steps_total: float = 0.0  # engine steps made since vLLM started
     step_tokens_total: float = 0.0  # tokens those steps processed (prefill and decode)
     #: the newest ``vllm:lora_requests_info`` sample (its labels and value), when vLLM serves LoRA
@@ -204,6 +209,7 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
     by_name: dict[str, dict[str, _Sample]] = {}
     lora: tuple[tuple[tuple[str, str], ...], float] | None = None
     lengths: dict[float, float] = {}  # le -> cumulative count, over engines
+    ended: dict[str, float] = {}  # finished_reason -> answers, over engines
     old: dict[str, dict[str, _Sample]] = {}
     for line in lines:
         try:
@@ -215,6 +221,10 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
             if short == _LORA_INFO:
                 if math.isfinite(sample.value) and (lora is None or sample.value > lora[1]):
                     lora = (tuple(sorted(sample.labels.items())), sample.value)
+            elif short == _SUCCESS:
+                reason = sample.labels.get("finished_reason", "")
+                if math.isfinite(sample.value):
+                    ended[reason] = ended.get(reason, 0.0) + sample.value
             elif short == _GENERATION_BUCKET:
                 le = float(sample.labels.get("le", "nan"))
                 if not math.isnan(le) and math.isfinite(sample.value):
@@ -253,6 +263,8 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         inter_token_latency_sum=_total(by_name, _ITL_SUM),
         inter_token_latency_count=_total(by_name, _ITL_COUNT),
         generation_lengths=tuple(sorted(lengths.items())),
+        answers_at_length=ended.get("length", 0.0),
+        answers_stopped=ended.get("stop", 0.0),
         steps_total=_total(by_name, _STEPS),
         step_tokens_total=_total(by_name, _STEP_TOKENS_SUM),
         cache_dtype=_label_str(first_config, "cache_dtype"),
