@@ -1,4 +1,5 @@
-"""This checkout and this machine: the repository root, the cache, free loopback ports, a GET.
+"""This checkout and this machine: the repository root, the cache, free loopback ports, a GET,
+and the chores of a server process the harness starts (wait until healthy, stop its group).
 
 A leaf: it imports nothing from the project, so every other harness module (the vLLM launcher,
 the workloads, the benchmark helpers) can share these without importing each other.
@@ -9,8 +10,12 @@ the workloads, the benchmark helpers) can share these without importing each oth
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -31,3 +36,40 @@ def http_get(url: str, timeout: float = 5.0) -> bytes:
     """The body of ``GET url`` (raises ``OSError`` on a failure or a non-2xx status)."""
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return bytes(resp.read())
+
+
+def log_tail(path: Path | None, n: int = 40) -> str:
+    """The last ``n`` lines of a log file ("" when there is none)."""
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+def wait_healthy(
+    url: str, proc: subprocess.Popen[bytes] | None, timeout: float, what: str, log: Path | None
+) -> None:
+    """Poll ``url + /health`` until it answers; raise (with the log's tail) when ``proc`` exits
+    or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_tail(log)}")
+        with contextlib.suppress(OSError):
+            http_get(url + "/health", timeout=2)
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"{what} not healthy after {timeout}s:\n{log_tail(log)}")
+
+
+def stop_group(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM to a started process's group, SIGKILL after 20 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

