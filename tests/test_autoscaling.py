@@ -36,7 +36,7 @@ import yaml
 
 from harness.workload import Result, SidecarProcess, make_prompts, one_completion
 from tests.conftest import VllmInfo
-from tests.prometheus_server import PrometheusServer, Sample, ScrapeJob
+from tests.support.prometheus_server import PrometheusServer, Sample, ScrapeJob
 
 pytestmark = pytest.mark.vllm
 

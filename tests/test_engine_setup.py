@@ -26,7 +26,7 @@ from sidecar.errors import ConfigError
 from sidecar.http.engine_setup import EngineDiscovery, build_counter, close_counter, counter_key
 from sidecar.http.seams import Engine
 from sidecar.kv.geometry import UniformBlocks
-from tests.faultkit import ToughFake
+from tests.support.faultkit import ToughFake
 
 
 class Checks:

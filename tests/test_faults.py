@@ -34,8 +34,9 @@ from harness.fake_vllm import FakeServer, write_model_dir
 from harness.vllm_cpu import VllmServer
 from harness.workload import SidecarProcess, make_prompts, metric_value
 from tests.conftest import VllmInfo
-from tests.fake_process import FakeProcess
-from tests.faultkit import ThreadedSidecar, ToughFake, proc_stats, wait_for
+from tests.support.fake_process import FakeProcess
+from tests.support.faultkit import ThreadedSidecar, ToughFake, proc_stats
+from tests.support.wait import wait_for
 
 Record = Any  # pytest's record_property fixture
 

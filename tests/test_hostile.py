@@ -1,8 +1,8 @@
 """Hostile input: fuzzed bodies and headers, limits, request-target tricks, secrets.
 
-The sidecar runs in-process (``tests.faultkit.ThreadedSidecar``) in front of the fake vLLM for the
-fast property tests, and as a real ``kv-sidecar serve`` process where its log file and its two
-ports are what is checked. Properties:
+The sidecar runs in-process (``tests.support.faultkit.ThreadedSidecar``) in front of the fake
+vLLM for the fast property tests, and as a real ``kv-sidecar serve`` process where its log file
+and its two ports are what is checked. Properties:
 
 - it never answers 5xx of its own making, never crashes, never forwards a body it could not parse,
   and its ledger stays consistent (hypothesis, derandomized: the same examples on every run);
@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 from harness.fake_vllm import FakeServer, write_model_dir
 from harness.workload import SidecarProcess
-from tests.faultkit import ThreadedSidecar, ToughFake, raw_http, wait_for
+from tests.support.faultkit import ThreadedSidecar, ToughFake, raw_http
+from tests.support.wait import wait_for
 
 GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 FUZZ = settings(

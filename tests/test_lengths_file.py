@@ -17,7 +17,7 @@ from harness.fake_vllm import FakeServer, write_model_dir
 from harness.workload import SidecarProcess, metric_value
 from sidecar.admission import lengths_file
 from sidecar.admission.learner import LengthLearner
-from tests.faultkit import ToughFake
+from tests.support.faultkit import ToughFake
 
 
 def test_export_and_restore_keep_every_class_and_its_order() -> None:

@@ -26,7 +26,8 @@ import pytest
 from harness.fake_vllm import FakeServer, write_model_dir
 from harness.workload import SidecarProcess, make_prompts, metric_value, one_completion
 from tests.conftest import VllmInfo
-from tests.faultkit import ToughFake, wait_for
+from tests.support.faultkit import ToughFake
+from tests.support.wait import wait_for
 
 QUEUED = 6  # requests beyond what the budget holds at once
 PROMPT_TOKENS = 500

@@ -28,7 +28,7 @@ import pytest
 
 from harness.workload import SidecarProcess, make_prompts, metric_value
 from tests.conftest import VllmInfo
-from tests.faultkit import ProcStats, proc_stats
+from tests.support.faultkit import ProcStats, proc_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

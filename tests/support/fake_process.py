@@ -1,4 +1,4 @@
-"""The fake vLLM (:class:`tests.faultkit.ToughFake`) in a process of its own.
+"""The fake vLLM (:class:`tests.support.faultkit.ToughFake`) in a process of its own.
 
 A load test must not share one interpreter (and its GIL) between 1,000 clients and the upstream
 they load: a real vLLM is a process of its own too. Counters are at ``GET /_fake/stats``.
@@ -21,11 +21,11 @@ import httpx
 
 from harness.fake_vllm import FakeServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeProcess:
-    """``python -m tests.fake_process`` on a free port; stopped with SIGTERM."""
+    """``python -m tests.support.fake_process`` on a free port; stopped with SIGTERM."""
 
     def __init__(self, model_dir: Path, **knobs: Any) -> None:
         self.model_dir = model_dir
@@ -41,7 +41,7 @@ class FakeProcess:
         return dict(httpx.get(self.url + "/_fake/stats", timeout=30).json())
 
     def start(self) -> FakeProcess:
-        cmd = [sys.executable, "-m", "tests.fake_process", str(self.model_dir)]
+        cmd = [sys.executable, "-m", "tests.support.fake_process", str(self.model_dir)]
         cmd += ["--knobs", json.dumps(self.knobs)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
@@ -75,7 +75,7 @@ class FakeProcess:
 
 
 def main() -> None:
-    from tests.faultkit import ToughFake
+    from tests.support.faultkit import ToughFake
 
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir", type=Path)

@@ -72,16 +72,6 @@ def proc_stats(pid: int) -> ProcStats:
     )
 
 
-def wait_for(check: Callable[[], bool], what: str, within: float, step: float = 0.01) -> float:
-    """Poll ``check`` until true; the seconds it took. Fails the test after ``within`` s."""
-    t0 = time.monotonic()
-    while not check():
-        elapsed = time.monotonic() - t0
-        assert elapsed < within, f"not within {within}s: {what}"
-        time.sleep(step)
-    return time.monotonic() - t0
-
-
 # --- the sidecar in a thread ----------------------------------------------------------------
 
 
