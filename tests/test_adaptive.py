@@ -98,14 +98,14 @@ def test_an_answer_past_its_cold_floor_is_expected_to_double() -> None:
 
 def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_histogram() -> None:
     """vLLM's vllm:request_generation_tokens at the first scrape: 100 answers of 50-100 tokens
-    and 10 of 100-200. The class takes the 0.75-quantile bound of that history (100: each
-    bucket counts as its upper bound), not the cold floor."""
+    and 10 of 100-200. The class takes the 0.75-quantile bound of that history (each bucket's
+    answers spread evenly over its range: the 87th of 110 lengths, 94), not the cold floor."""
     clock = Clock()
     ac = controller(clock)
     history = ((20.0, 0.0), (50.0, 0.0), (100.0, 100.0), (200.0, 110.0), (float("inf"), 110.0))
     ac.on_snapshot(snapshot(clock, generation_lengths=history))
     assert ac.learner.seeded == 110
-    assert ac.ends(chat(300), "chat:none") == (100,)
+    assert ac.ends(chat(300), "chat:none") == (94,)
     # its own answers take over once it has enough of them
     for _ in range(40):
         ac.learner.observe("chat:none", 180)
@@ -197,10 +197,10 @@ def test_a_named_max_tokens_is_reserved_whole_where_answers_run_to_it() -> None:
     """vLLM's history: 100 answers of at most 100 tokens. Where most of vLLM's answers ended at
     their max_tokens (finished_reason "length": ignore_eos, or capped answers), a request of a
     class with no answers of its own that names max_tokens 800 is that likely to use it all, and
-    is reserved 800; where most stopped on their own, it takes the history's bound (100). A chat
-    that names no max_tokens takes the history's bound either way."""
+    is reserved 800; where most stopped on their own, it takes the history's 0.75-quantile bound
+    (88). A chat that names no max_tokens takes the history's bound either way."""
     history = ((50.0, 20.0), (100.0, 100.0), (float("inf"), 100.0))
-    for at_length, stopped, named in ((90.0, 10.0, 800), (10.0, 90.0, 100)):
+    for at_length, stopped, named in ((90.0, 10.0, 800), (10.0, 90.0, 88)):
         clock = Clock()
         ac = controller(clock)
         ac.on_snapshot(
@@ -212,7 +212,7 @@ def test_a_named_max_tokens_is_reserved_whole_where_answers_run_to_it() -> None:
             )
         )
         assert ac.ends(completion(300, 800), "completions:1024") == (named,)
-        assert ac.ends(chat(300), "chat:none") == (100,)
+        assert ac.ends(chat(300), "chat:none") == (88,)
     # its own answers take over: six that stopped at 60 of 800
     for _ in range(6):
         d = ac.try_admit(Ask(completion(300, 800), streamed=True, klass="completions:1024"))

@@ -204,9 +204,10 @@ class LengthLearner:
     ) -> int:
         """Take vLLM's own answer lengths (``vllm:request_generation_tokens``: cumulative counts
         by upper bound) as every class's history, when nothing is known yet: a sidecar started
-        beside a vLLM that has answered starts from what vLLM has seen. Each bucket stands for
-        its upper bound (the +Inf bucket: up to max_tokens), in proportion, at most the window's
-        worth; ``at_length`` and ``stopped`` (vLLM's answers by ``finished_reason``) give
+        beside a vLLM that has answered starts from what vLLM has seen. A bucket's answers are
+        spread evenly over its range (vLLM's 1-2-5 buckets are wide: their upper bounds alone
+        read a 32..320-token answer mix as 500), the +Inf bucket's run up to max_tokens, in
+        proportion, at most the window's worth; ``at_length`` and ``stopped`` (vLLM's answers by ``finished_reason``) give
         :meth:`length_share`. Returns the lengths taken (0 when the learner already knows
         answers)."""
         if self._all or not histogram:
@@ -216,15 +217,18 @@ class LengthLearner:
         if total <= 0:
             return 0
         scale = min(1.0, self._window / total)
-        below = 0.0
+        below, lower = 0.0, 0.0
         taken = 0
         for le, cumulative in histogram:
             count = round((cumulative - below) * scale)
             below = cumulative
-            length = UNBOUNDED if le == float("inf") else int(le)
-            for _ in range(count):
-                self._all.append(length)
+            for k in range(count):
+                if le == float("inf"):
+                    self._all.append(UNBOUNDED)
+                else:  # spread evenly over the bucket's range (lower, le]
+                    self._all.append(math.ceil(lower + (le - lower) * (k + 1) / count))
             taken += count
+            lower = le
         self._likely_all_stale = True
         self._bounds.clear()
         self.seeded = taken
