@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 from sidecar.admission.ask import Ask
-from sidecar.admission.controller import COLD_OUTPUT_TOKENS, AdmissionController
+from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Reason
+from sidecar.admission.ends import COLD_OUTPUT_TOKENS
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger

@@ -165,8 +165,8 @@ def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_history(
 ) -> None:
     """vLLM answers 24 completions of 40 tokens first (its vllm:request_generation_tokens
     histogram: bucket 50). A sidecar started after that reserves a chat without max_tokens to
-    what that history says (the 0.75-quantile bound of it, its answers spread evenly over each bucket), not
-    to the end of the context and not to the cold 256."""
+    what that history says (the 0.75-quantile bound of it, its answers spread evenly over each
+    bucket), not to the end of the context and not to the cold 256."""
 
     async def answer_directly() -> None:
         async with httpx.AsyncClient(timeout=120) as client:

@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.admission.ask import Ask, KVState
-from sidecar.admission.costs import EngineCosts, reserve_quantile
+from sidecar.admission.costs import EngineCosts
 from sidecar.admission.decisions import Decision, Outcome, Reason
+from sidecar.admission.ends import Ends
 from sidecar.admission.engine_view import EngineView
 from sidecar.admission.fit import (
     PoolState,
@@ -56,7 +57,7 @@ from sidecar.admission.fit import (
     keeps_step_target,
     room_blocks,
 )
-from sidecar.admission.learner import UNBOUNDED, LengthLearner
+from sidecar.admission.learner import LengthLearner
 from sidecar.admission.retry import MIN_RETRY_AFTER, RetryPlanner
 from sidecar.config import Policy, ReservationMode, StalePolicy
 from sidecar.engine.snapshot import EngineSnapshot
@@ -65,13 +66,6 @@ from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import Projection
 
 log = logging.getLogger("sidecar.admission")
-
-#: adaptive mode, while nothing is known of answer lengths: output tokens risked per sequence
-#: where a recompute is cheap (a few decode steps), widened as the answer runs past them (LightLLM
-#: and SGLang likewise start low and grow an estimate as a request decodes) ...
-COLD_OUTPUT_TOKENS = 256
-#: ... as long as the quantile the recompute's cost asks for is at most this one
-COLD_QUANTILE = 0.9
 
 
 @dataclass(eq=False)
@@ -115,11 +109,10 @@ class AdmissionController:
         self.headroom = headroom
         self.max_queue_depth = max_queue_depth
         self.max_queue_wait = max_queue_wait
-        self.reservation_mode = ReservationMode(reservation)
         self.stale_after = stale_after
         self.stale_policy = StalePolicy(stale_policy)
         self.learner = LengthLearner(expected_quantile, prior=expected_prior, clock=clock)
-        self.risk_steps = risk_steps  # adaptive mode: decode steps of recompute a request risks
+        self.reserving = Ends(ReservationMode(reservation), self.learner, risk_steps=risk_steps)
         self.tpot_target = tpot_target  # seconds per decode step the running requests keep
         self._held_by_latency = False  # the last placement failed on the step time alone
         self._clock = clock
@@ -132,6 +125,14 @@ class AdmissionController:
 
     def _new_pool(self, engine: str, ledger: Ledger) -> Pool:
         return Pool(engine, ledger, EngineView(ledger), RetryPlanner(ledger, clock=self._clock))
+
+    @property
+    def reservation_mode(self) -> ReservationMode:
+        return self.reserving.mode
+
+    @reservation_mode.setter
+    def reservation_mode(self, mode: ReservationMode) -> None:
+        self.reserving.mode = ReservationMode(mode)
 
     @property
     def ledger(self) -> Ledger:
@@ -251,48 +252,13 @@ class AdmissionController:
     def ends(
         self, projection: Projection, klass: str = "", costs: EngineCosts | None = None
     ) -> tuple[int, ...]:
-        """Output tokens to reserve per sequence, per prompt, in the configured mode (``costs``:
-        the engine's, for adaptive mode; the first pool's when not given)."""
-        mode = self.reservation_mode
-        if mode is ReservationMode.worst_case:
-            return projection.max_tokens
-        if mode is ReservationMode.expected:
-            return tuple(self.learner.end(klass, m) for m in projection.max_tokens)
+        """Output tokens to reserve per sequence, per prompt, in the configured mode
+        (``sidecar.admission.ends``; ``costs``: the engine's, the first pool's when not given)."""
         engine = costs if costs is not None else self.pools[0].view.costs
         return tuple(
-            self._adaptive_end(klass, p, m, engine)
+            self.reserving.end(klass, p, m, engine)
             for p, m in zip(projection.prompt_tokens, projection.max_tokens, strict=True)
         )
-
-    def _adaptive_end(
-        self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts
-    ) -> int:
-        """The length quantile whose recompute risk is at most ``risk_steps`` decode steps
-        (``sidecar.admission.costs``), from the class's answers, else every class's (vLLM's
-        history included). A class with none of its own whose requests name their max_tokens
-        (``class:none`` names none) reserves all of it while at least ``1 - q`` of the answers
-        seen ran to their max_tokens (vLLM's ``finished_reason="length"``): such a request is
-        that likely to use it all. A cold start risks :data:`COLD_OUTPUT_TOKENS` where a
-        recompute is cheap, and ``max_tokens`` where it is not. An answer past its end is
-        expected to run to twice what it has (``Reservation.end``), and vLLM's preemptions widen
-        every end."""
-        learner = self.learner
-        likely = min(max_tokens, learner.likely(klass) or COLD_OUTPUT_TOKENS)
-        steps = costs.recompute_steps(prompt_tokens + likely)
-        quantile = reserve_quantile(steps, risk_steps=self.risk_steps)
-        if quantile is None:
-            return max_tokens
-        bound = learner.own_bound(klass, quantile)
-        if bound is None:
-            named = not klass.endswith(":none")
-            if named and learner.length_share() >= 1.0 - quantile:
-                return max_tokens
-            bound = learner.global_bound(quantile)
-        if bound is None:
-            if quantile > COLD_QUANTILE:
-                return max_tokens
-            bound = COLD_OUTPUT_TOKENS
-        return learner.boosted(min(bound, max_tokens), max_tokens)
 
     def _fits(self, pool: Pool, candidate: Reservation, stale: bool) -> bool:
         if not fits(
@@ -643,25 +609,11 @@ class AdmissionController:
             predicted_at_snapshot_blocks=at_predicted,
             in_flight_at_snapshot=at_in_flight,
             preemptions_seen=self.preemptions_seen,
-            expected_output_tokens=self._expected_output_tokens(),
+            expected_output_tokens=self.reserving.per_class(self.pools[0].view.costs),
             decode_step_seconds=costs.decode_step_seconds,
             step_seconds_per_token=costs.step_seconds_per_token,
             prefill_tokens_per_step=costs.prefill_tokens_per_step,
         )
-
-    def _expected_output_tokens(self) -> dict[str, int]:
-        mode = self.reservation_mode
-        if mode is ReservationMode.worst_case:
-            return {}
-        if mode is ReservationMode.expected:
-            return {k: n for k, n in self.learner.classes().items() if n is not None}
-        costs = self.pools[0].view.costs
-        out = {}
-        for klass in self.learner.classes():
-            (end,) = self.ends(Projection((0,), (UNBOUNDED,), 1, 0, 0), klass, costs)
-            if end < UNBOUNDED:
-                out[klass] = end
-        return out
 
     def fail_queue(self) -> None:
         """Wake every waiter (shutdown): they re-check and leave with their refusal."""

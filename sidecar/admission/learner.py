@@ -207,9 +207,9 @@ class LengthLearner:
         beside a vLLM that has answered starts from what vLLM has seen. A bucket's answers are
         spread evenly over its range (vLLM's 1-2-5 buckets are wide: their upper bounds alone
         read a 32..320-token answer mix as 500), the +Inf bucket's run up to max_tokens, in
-        proportion, at most the window's worth; ``at_length`` and ``stopped`` (vLLM's answers by ``finished_reason``) give
-        :meth:`length_share`. Returns the lengths taken (0 when the learner already knows
-        answers)."""
+        proportion, at most the window's worth; ``at_length`` and ``stopped`` (vLLM's answers by
+        ``finished_reason``) give :meth:`length_share`. Returns the lengths taken (0 when the
+        learner already knows answers)."""
         if self._all or not histogram:
             return 0
         self._at_length, self._stopped = at_length, stopped

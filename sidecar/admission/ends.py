@@ -1,0 +1,88 @@
+"""How many output tokens a request is promised: the reservation strategies of
+``--reservation``, as one pure function of the mode, the learned lengths and the engine's costs.
+
+- ``worst-case``: every sequence its ``max_tokens`` (no preemption, ever);
+- ``expected``: the class's learned length bound at ``--expected-quantile``, its prior share of
+  ``max_tokens`` until it has enough answers (``sidecar.admission.learner``);
+- ``adaptive``: the length quantile at which the recompute a preemption would cost on this
+  engine (``sidecar.admission.costs``) is at most ``risk_steps`` decode steps, from the class's
+  answers, else every class's (vLLM's own history included). A class with none of its own whose
+  requests name their max_tokens (``class:none`` names none) reserves all of it while at least
+  ``1 - q`` of the answers seen ran to their max_tokens (vLLM's ``finished_reason="length"``):
+  such a request is that likely to use it all. A cold start (nothing known) risks
+  :data:`COLD_OUTPUT_TOKENS` where a recompute is cheap and ``max_tokens`` where it is not.
+
+In every mode an answer past its end is expected to run to twice what it has
+(``Reservation.end``), and vLLM's preemptions widen the learned ends for a while.
+
+>>> from sidecar.admission.costs import EngineCosts
+>>> from sidecar.admission.learner import LengthLearner
+>>> rule = Ends(ReservationMode.adaptive, LengthLearner(), risk_steps=1.0)
+>>> rule.end("chat:none", 300, 1748, EngineCosts())  # cold, a cheap recompute: the floor
+256
+"""
+
+from __future__ import annotations
+
+from sidecar.admission.costs import EngineCosts, reserve_quantile
+from sidecar.admission.learner import UNBOUNDED, LengthLearner
+from sidecar.config import ReservationMode
+
+#: adaptive mode, while nothing is known of answer lengths: output tokens risked per sequence
+#: where a recompute is cheap (a few decode steps), widened as the answer runs past them (LightLLM
+#: and SGLang likewise start low and grow an estimate as a request decodes) ...
+COLD_OUTPUT_TOKENS = 256
+#: ... as long as the quantile the recompute's cost asks for is at most this one
+COLD_QUANTILE = 0.9
+
+
+class Ends:
+    """The output tokens each sequence is promised, in one ``--reservation`` mode."""
+
+    def __init__(self, mode: ReservationMode, learner: LengthLearner, *, risk_steps: float) -> None:
+        self.mode = ReservationMode(mode)
+        self.learner = learner
+        self.risk_steps = risk_steps
+
+    def end(self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> int:
+        """Output tokens to reserve for one sequence of ``klass`` with this prompt."""
+        if self.mode is ReservationMode.worst_case:
+            return max_tokens
+        if self.mode is ReservationMode.expected:
+            return self.learner.end(klass, max_tokens)
+        return self._adaptive(klass, prompt_tokens, max_tokens, costs)
+
+    def _adaptive(self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> int:
+        learner = self.learner
+        likely = min(max_tokens, learner.likely(klass) or COLD_OUTPUT_TOKENS)
+        quantile = reserve_quantile(
+            costs.recompute_steps(prompt_tokens + likely), risk_steps=self.risk_steps
+        )
+        if quantile is None:
+            return max_tokens
+        bound = learner.own_bound(klass, quantile)
+        if bound is None:
+            named = not klass.endswith(":none")
+            if named and learner.length_share() >= 1.0 - quantile:
+                return max_tokens
+            bound = learner.global_bound(quantile)
+        if bound is None:
+            if quantile > COLD_QUANTILE:
+                return max_tokens
+            bound = COLD_OUTPUT_TOKENS
+        return learner.boosted(min(bound, max_tokens), max_tokens)
+
+    def per_class(self, costs: EngineCosts) -> dict[str, int]:
+        """What each class seen reserves for a short prompt (``kv_sidecar_expected_output_
+        tokens``): none in worst-case mode, none still on the prior in expected mode, and in
+        adaptive mode every class whose end does not wait on its request's max_tokens."""
+        if self.mode is ReservationMode.worst_case:
+            return {}
+        if self.mode is ReservationMode.expected:
+            return {k: n for k, n in self.learner.classes().items() if n is not None}
+        out = {}
+        for klass in self.learner.classes():
+            end = self._adaptive(klass, 0, UNBOUNDED, costs)
+            if end < UNBOUNDED:
+                out[klass] = end
+        return out
