@@ -250,9 +250,25 @@ class Stepper:
         """``n`` steps; then the sidecar's /state from a scrape taken after they are seen
         everywhere, with vLLM's own figures at that instant (``vllm_blocks``, ``vllm_running``)."""
         for _ in range(n):
+            # a batch waits for its grant, unless every answer has ended (or vLLM has none
+            # until the sidecar forwards the requests it admits as others end)
+            wait_until(
+                lambda: self.clients.open == 0 or self.sim.state()["waiting"],
+                "a batch waiting for its step",
+            )
+            if not self.sim.state()["waiting"]:
+                break
             last = self.sim.step(1)["last_step"]
             self.sampled += last["sampled"] if last else 0
+            if count_clients:  # one token per event: vLLM coalesces tokens a client lags on
+                self._relayed()
         return self.sample(count_clients=count_clients)
+
+    def _relayed(self) -> None:
+        wait_until(
+            lambda: self.clients.received == self.sampled,
+            f"clients received {self.sampled} tokens ({self.clients.received})",
+        )
 
     def sample(self, *, count_clients: bool = True) -> dict[str, Any]:
         total = self.base_generated + self.sampled
@@ -261,14 +277,11 @@ class Stepper:
             f"vLLM's generation counter at {total}",
         )
         if count_clients:  # streamed answers: every token relayed through the sidecar
-            wait_until(
-                lambda: self.clients.received == self.sampled,
-                f"clients received {self.sampled} tokens ({self.clients.received})",
-            )
+            self._relayed()
 
         def settled() -> bool:
             state = self.sc.state()
-            return state["in_flight"] + state["queue_depth"] == self.clients.open
+            return bool(state["in_flight"] + state["queue_depth"] == self.clients.open)
 
         wait_until(settled, "the sidecar's ledger holds the open requests")
         ready = time.monotonic()
@@ -615,3 +628,79 @@ def test_a_three_fold_overload_asks_for_four_pods_at_once(
         (old_value,) = old
         assert math.ceil(old_value / scalers.keda_threshold) <= 2, (steps, old)
     assert seen[1][1]["vllm_blocks"] > 0  # after 20 steps the running answers hold their KV
+
+
+# --- the queue policy under a burst over the pool -----------------------------------------------
+
+#: the burst's demand over vLLM's pool: enough that vLLM alone preempts
+OVERSUBSCRIBED = 2.5
+#: the burst is sampled every this many steps (each one asserted): ~90 samples of ~900 steps
+SAMPLE_EVERY = 10
+
+
+def test_queue_policy_burst_has_no_preemptions(sim: SimServer, block: int) -> None:
+    """2.5 pools' worth of KV at once (36 x (271 + 300) tokens on 511 blocks of 16) makes vLLM
+    preempt when sent directly. Through --policy queue nothing is preempted, every answer
+    completes, and every tenth step the sidecar's prediction is vLLM's usage to within a block
+    per request in flight, with the future peak of what it admitted within the budget. Each
+    step waits until its tokens reached the clients, so every event carries one token (vLLM
+    merges the tokens of a stream whose reader lags into one event, which the sidecar counts
+    as one: not what this test measures)."""
+    prompt_tokens, max_tokens = 271, 300
+    peak = math.ceil((prompt_tokens + max_tokens) / block)
+    count = math.ceil(OVERSUBSCRIBED * (BLOCKS - 1) / peak)
+    budget = math.floor((BLOCKS - 1) * (1 - HEADROOM))
+    prompts = make_prompts(sim.model_dir, count, prompt_tokens, seed=7)
+    bodies = [
+        streamed(
+            {"model": sim.served_name, "prompt": p, "max_tokens": max_tokens, "ignore_eos": True}
+        )
+        for p in prompts
+    ]
+
+    # the premise: straight to vLLM, held until all are inside it, then at 1 ms a step
+    before = preemptions(sim)
+    direct = Clients(sim.url, "/v1/completions", list(bodies))
+    with held(sim):
+        direct.start()
+
+        def inside() -> bool:
+            m = metrics(sim)
+            if sim.state()["waiting"]:
+                sim.step(1)  # the engine takes in what arrived, one step at a time
+            in_engine = m.get("vllm:num_requests_running", 0) + m.get(
+                "vllm:num_requests_waiting", 0
+            )
+            return bool(in_engine >= count)
+
+        wait_until(inside, f"{count} requests inside vLLM", timeout=60)
+        sim.set_mode("0.001")
+        direct.stop(timeout=300)
+    assert [(a.status, a.tokens) for a in direct.answers] == [(200, max_tokens)] * count
+    assert preemptions(sim) > before
+
+    wait_idle(sim)
+    before = preemptions(sim)
+    samples: list[dict[str, Any]] = []
+    with queue_sidecar(sim, "--max-queue-wait", "600") as sc, held(sim):
+        clients = Clients(sc.url, "/v1/completions", list(bodies))
+        stepper = Stepper(sim, sc, clients)
+        clients.start()
+        admitted(sc, count)
+        sim.wait_waiting()
+        while clients.open:
+            assert stepper.sampled <= count * max_tokens, [a.tokens for a in clients.answers]
+            samples.append(stepper.step(SAMPLE_EVERY))
+        clients.stop()
+        assert sc.state()["reserved_blocks"] == 0
+    assert not clients.errors, clients.errors
+    assert [(a.status, a.tokens) for a in clients.answers] == [(200, max_tokens)] * count
+    assert preemptions(sim) == before
+    assert_predicted_at_every_step(samples)
+    assert all(s["future_peak_blocks"] <= budget for s in samples), [
+        s["future_peak_blocks"] for s in samples
+    ]
+    # the burst did fill the budget, and queued: more than one wave ran
+    assert max(s["actual_blocks"] for s in samples) > budget // 2
+    assert max(s["queue_depth"] for s in samples) > 0
+    assert len(samples) * SAMPLE_EVERY >= 2 * max_tokens
