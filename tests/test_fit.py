@@ -229,3 +229,21 @@ def test_room_is_the_budget_less_what_is_committed() -> None:
     assert room_blocks(ledger, FRESH, headroom=0.0) == 4
     assert room_blocks(ledger, PoolState(20, 18, 0, False), headroom=0.0) == 2
     assert room_blocks(ledger, PoolState(10, 0, 0, False), headroom=0.0) == -6
+
+
+def test_an_answer_past_its_reserved_end_turns_the_shortcut_off() -> None:
+    """A 64-token prompt reserved 32 output tokens (expected or adaptive mode) that has run to
+    100: it is expected to run to 200 (264 tokens, 17 blocks), more than the 11 blocks it holds
+    and reserves. The sum of reserved blocks (11 + 8) would fit in 20; the trajectories (17 + 8
+    as it ends) do not, and the ledger counts the overrun that says so."""
+    ledger = Ledger(BLOCKS)
+    res = ledger.reserve(proj(64, 512), streamed=True, ends=(32,))
+    ledger.start(res)
+    ledger.advance(res, 100)
+    assert ledger.overruns == 1 and ledger.reserved_blocks == 11
+    cand = ledger.candidate(proj(64, 64), streamed=True)
+    pool = PoolState(capacity_blocks=20, used_blocks=0, external_blocks=0, stale=False)
+    assert ledger.reserved_blocks + cand.reserved_blocks <= 20
+    assert not fits(ledger, cand, pool, headroom=0.0, strict=False)
+    ledger.release(res)
+    assert ledger.overruns == 0

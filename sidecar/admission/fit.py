@@ -14,8 +14,9 @@ What is checked (``sidecar.kv.trajectory`` for the peak):
   candidate's, plus what vLLM holds beyond the ledger (traffic that bypasses the sidecar), and
   at least what vLLM holds now plus the candidate's prompt. On stale engine figures only the
   ledger counts (fail-open on the engine, never on the ledger).
-- in strict (worst-case) mode, the sum of the reserved peaks bounds the future peak from above:
-  when even that fits, the trajectories need not be laid out.
+- the sum of the reserved peaks bounds the future peak from above in strict (worst-case) mode,
+  and in the others while no request in flight has run past its reserved end: when even that
+  fits, the trajectories need not be laid out.
 - an estimated (upper-bound) prompt alone over the budget runs only into an empty pool.
 
 >>> from sidecar.kv.geometry import UniformBlocks
@@ -97,9 +98,9 @@ def fits(
         return True  # nothing known yet (fail-open start-up): vLLM is the only judge
     prompt = candidate.projection.prompt_blocks
     exact = candidate.projection.exact
-    if strict and exact:
-        # not in expected mode, where an answer past its expected end grows beyond what it
-        # reserved
+    if exact and (strict or ledger.overruns == 0):
+        # in worst-case mode always; in the others while no answer has run past its reserved end
+        # (one that has is expected to grow beyond what it reserved)
         bound = ledger.reserved_blocks + candidate.reserved_blocks
         if committed_blocks(bound, pool, prompt_blocks=prompt) <= budget:
             return True

@@ -59,6 +59,7 @@ class Reservation:
     estimated: float = 0.0  # answer showed and its share of vLLM's generated tokens
     released: bool = field(default=False)
     engine: str = ""  # the data-parallel engine (its pool) the request was admitted on
+    overran: bool = False  # it has generated its reserved end: its trajectory may pass its peak
     #: the same request reserved in the other engines' pools, when it cannot be sent to one
     #: engine (vLLM's coordinator then picks, and it may pick any)
     shadows: list[Reservation] = field(default_factory=list)
@@ -97,6 +98,9 @@ class Ledger:
         self.reserved_blocks = 0
         self.predicted_blocks = 0
         self.peak_blocks = 0
+        #: requests that have generated their reserved end (in flight): while there are none,
+        #: every trajectory stays within its reserved blocks, and their sum bounds the future peak
+        self.overruns = 0
         self._rate_window = rate_window_seconds
         self._freed: deque[tuple[float, int]] = deque()
         self._freed_sum = 0
@@ -175,6 +179,9 @@ class Ledger:
         if res.released or generated_per_sequence <= res.generated:
             return
         res.generated = generated_per_sequence
+        if not res.overran and res.id in self._active and generated_per_sequence >= min(res.ends):
+            res.overran = True
+            self.overruns += 1
         if not res.started:
             return  # counted from its start
         self._set_predicted(res, res.projection.blocks_at(int(generated_per_sequence), self.blocks))
@@ -193,6 +200,8 @@ class Ledger:
             return 0
         res.released = True
         del self._active[res.id]
+        if res.overran:
+            self.overruns -= 1
         self.reserved_blocks -= res.reserved_blocks
         self.predicted_blocks -= res.predicted_blocks
         self.peak_blocks -= res.projection.peak_blocks
