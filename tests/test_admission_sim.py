@@ -1,11 +1,13 @@
 """Admission against vLLM's own scheduler on the simulated GPU, stepped by hand: the prediction
 set against vLLM's KV usage at every step (streamed answers sharing a prefix, non-streamed
-answers), answers at different stages admitted by their future peak, and the autoscaling signal
-of a 3x overload read by a real Prometheus while the engine is held.
+answers, a queued burst over the pool), answers at different stages admitted by their future
+peak, and the autoscaling signal of a 3x overload read by a real Prometheus while the engine is
+held.
 
 These were sampled from the free-running CPU vLLM (tests/test_admission_vllm.py,
-tests/test_autoscaling.py), where a loaded machine left too few samples, or samples taken
-while an answer ended between vLLM's step and the sidecar's release. Here the engine runs a step
+tests/test_autoscaling.py; the burst also runs there in tests/test_proxy_vllm.py), where a loaded
+machine left too few samples, or samples taken while an answer ended between vLLM's step and the
+sidecar's release. Here the engine runs a step
 only when the test grants it (``harness.sim_server``, manual mode): after each step the test
 waits until vLLM's /metrics show it, the clients have received what it produced and the
 sidecar has taken a scrape after that; the engine is still, so the sidecar's /state then sets
@@ -142,7 +144,7 @@ class Clients:
     errors: list[BaseException] = field(default_factory=list)
 
     def send(self, body: dict[str, Any]) -> Answer:
-        """One more request (before or after start)."""
+        """One more request, once started."""
         answer = Answer()
         self.answers.append(answer)
         self.bodies.append(body)

@@ -1,7 +1,8 @@
-"""Helpers shared by the test modules, so that no test module imports another.
+"""Helpers shared by the test modules, which import them from here instead of from each other.
 
 - ``faultkit``: the in-process sidecar (``ThreadedSidecar``), ``ToughFake``, ``/proc`` readings.
 - ``fake_process``: the fake vLLM in a process of its own.
 - ``prometheus_server``: a real Prometheus on loopback.
 - ``wait``: ``wait_for``, one poll-until-true with a deadline.
+- ``autoscalers``: the shipped KEDA and HPA overlays' queries and targets, and KEDA's formula.
 """
