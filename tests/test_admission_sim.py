@@ -28,7 +28,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from harness.sim_server import SimServer
 from harness.workload import SidecarProcess, make_prompts
 from tests.support.autoscalers import keda_desired, rendered
 from tests.support.prometheus_server import PrometheusServer, ScrapeJob
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -48,6 +49,9 @@ MAX_MODEL_LEN = 2048
 HEADROOM = 0.05
 #: how often every sidecar here scrapes vLLM: a scrape after each step comes quickly
 SCRAPE_INTERVAL = "0.05"
+#: seconds any one wait may take (a step is seen everywhere in well under a second): a deadline
+#: for a loaded machine, not a measurement
+WITHIN = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +102,12 @@ def held_blocks(m: dict[str, float]) -> int:
     return round(m["vllm:kv_cache_usage_perc"] * (BLOCKS - 1))
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.01)
-
-
 def wait_idle(sim: SimServer) -> None:
     def idle() -> bool:
         m = metrics(sim)
         return m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) == 0
 
-    wait_until(idle, "vLLM idle", timeout=60)
+    wait_for(idle, "vLLM idle", within=60)
 
 
 def preemptions(sim: SimServer) -> float:
@@ -254,9 +251,10 @@ class Stepper:
         for _ in range(n):
             # a batch waits for its grant, unless every answer has ended (or vLLM has none
             # until the sidecar forwards the requests it admits as others end)
-            wait_until(
+            wait_for(
                 lambda: self.clients.open == 0 or self.sim.state()["waiting"],
                 "a batch waiting for its step",
+                within=WITHIN,
             )
             if not self.sim.state()["waiting"]:
                 break
@@ -267,16 +265,18 @@ class Stepper:
         return self.sample(count_clients=count_clients)
 
     def _relayed(self) -> None:
-        wait_until(
+        wait_for(
             lambda: self.clients.received == self.sampled,
             f"clients received {self.sampled} tokens ({self.clients.received})",
+            within=WITHIN,
         )
 
     def sample(self, *, count_clients: bool = True) -> dict[str, Any]:
         total = self.base_generated + self.sampled
-        wait_until(
+        wait_for(
             lambda: metrics(self.sim).get("vllm:generation_tokens_total", 0) >= total,
             f"vLLM's generation counter at {total}",
+            within=WITHIN,
         )
         if count_clients:  # streamed answers: every token relayed through the sidecar
             self._relayed()
@@ -285,7 +285,7 @@ class Stepper:
             state = self.sc.state()
             return bool(state["in_flight"] + state["queue_depth"] == self.clients.open)
 
-        wait_until(settled, "the sidecar's ledger holds the open requests")
+        wait_for(settled, "the sidecar's ledger holds the open requests", within=WITHIN)
         ready = time.monotonic()
         while True:
             sent = time.monotonic()
@@ -323,7 +323,7 @@ def admitted(sc: SidecarProcess, count: int) -> dict[str, Any]:
         state = sc.state()
         return bool(state["in_flight"] + state["queue_depth"] >= count)
 
-    wait_until(decided, f"{count} requests decided", timeout=60)
+    wait_for(decided, f"{count} requests decided", within=60)
     return state
 
 
@@ -602,7 +602,7 @@ def test_a_three_fold_overload_asks_for_four_pods_at_once(
                         expr = f"timestamp(kv_sidecar_kv_demand_ratio{selector})"
                         return any(s.value >= ready for s in prometheus.query(expr))
 
-                    wait_until(scraped_after, "a Prometheus scrape after the step")
+                    wait_for(scraped_after, "a Prometheus scrape after the step", within=WITHIN)
                     keda = [s.value for s in prometheus.query(scalers.keda_query)]
                     hpa = [
                         s.value
@@ -614,7 +614,7 @@ def test_a_three_fold_overload_asks_for_four_pods_at_once(
                     ]
                     seen.append((steps, state, keda, hpa, old))
                 clients.cancel()  # the clients leave; vLLM aborts what it holds
-            wait_until(lambda: sc.state()["reserved_blocks"] == 0, "the ledger emptied", 60)
+            wait_for(lambda: sc.state()["reserved_blocks"] == 0, "the ledger emptied", within=60)
     wait_idle(sim)
     for steps, state, keda, hpa, old in seen:
         # a third runs (as many as the budget holds), the rest waits in the sidecar's queue
@@ -675,7 +675,7 @@ def test_queue_policy_burst_has_no_preemptions(sim: SimServer, block: int) -> No
             )
             return bool(in_engine >= count)
 
-        wait_until(inside, f"{count} requests inside vLLM", timeout=60)
+        wait_for(inside, f"{count} requests inside vLLM", within=60)
         sim.set_mode("0.001")
         direct.stop(timeout=300)
     assert [(a.status, a.tokens) for a in direct.answers] == [(200, max_tokens)] * count
