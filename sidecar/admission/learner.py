@@ -24,10 +24,12 @@ boost, a share of the gap up to ``max_tokens``, that halves every ``boost_half_l
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 #: classes kept at most (a header may name classes: the least recently used is dropped)
 MAX_CLASSES = 256
@@ -44,6 +46,7 @@ def min_samples_for(quantile: float, confidence: float) -> int:
     return max(1, math.ceil(math.log(1.0 - confidence) / math.log(quantile)))
 
 
+@functools.lru_cache(maxsize=4096)
 def _order_statistic_rank(n: int, quantile: float, confidence: float) -> int | None:
     """Smallest k (1-based) with P(X_(k) >= the quantile) >= confidence, None if none."""
     # P(X_(k) >= q-quantile) = P(Binomial(n, quantile) <= k - 1); the terms in logs: P(B = 0)
@@ -73,8 +76,33 @@ def request_class(endpoint: str, max_tokens: int | None, header: str | None = No
     return f"{endpoint}:{1 << max(4, (max(1, max_tokens) - 1).bit_length())}"
 
 
-def _quantile(lengths: deque[int], quantile: float) -> int:
-    ordered = sorted(lengths)
+class _Window:
+    """The last ``maxlen`` lengths, in arrival order and kept sorted (each append costs a
+    bisect and a memmove; a quantile is then an index, not a sort of the window)."""
+
+    __slots__ = ("maxlen", "order", "ranked")
+
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen = maxlen
+        self.order: deque[int] = deque()
+        self.ranked: list[int] = []
+
+    def append(self, length: int) -> None:
+        if len(self.order) >= self.maxlen:
+            oldest = self.order.popleft()
+            del self.ranked[bisect.bisect_left(self.ranked, oldest)]
+        self.order.append(length)
+        bisect.insort(self.ranked, length)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+
+def _quantile(lengths: _Window, quantile: float) -> int:
+    ordered = lengths.ranked
     return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
@@ -100,11 +128,11 @@ class LengthLearner:
         self.prior = prior
         self.min_samples = min_samples_for(quantile, confidence)
         self._window = max(window, self.min_samples)
-        self._lengths: dict[str, deque[int]] = {}
+        self._lengths: dict[str, _Window] = {}
         self._bound: dict[str, int | None] = {}  # cached per class, None: not enough samples
         self._bounds: dict[tuple[str, float], int | None] = {}  # the same at other quantiles
         self._likely: dict[str, int | None] = {}  # the same, for likely()
-        self._all: deque[int] = deque(maxlen=self._window)  # every class's, for a cold class
+        self._all = _Window(self._window)  # every class's, for a cold class
         self._likely_all: int | None = None
         self._likely_all_stale = False
         self._boost = 0.0
@@ -126,7 +154,7 @@ class LengthLearner:
                 self._stopped += 1
         lengths = self._lengths.pop(klass, None)
         if lengths is None:
-            lengths = deque(maxlen=self._window)
+            lengths = _Window(self._window)
             if len(self._lengths) >= MAX_CLASSES:
                 oldest = next(iter(self._lengths))
                 del self._lengths[oldest]
@@ -150,7 +178,7 @@ class LengthLearner:
         if lengths:
             rank = _order_statistic_rank(len(lengths), self.quantile, self.confidence)
             if rank is not None:
-                bound = sorted(lengths)[rank - 1]
+                bound = lengths.ranked[rank - 1]
         self._bound[klass] = bound
         return bound
 
@@ -172,7 +200,7 @@ class LengthLearner:
         """:meth:`bound` from the class's own answers alone."""
         key = (klass, quantile)
         if key not in self._bounds:
-            self._bounds[key] = self._order_bound(self._lengths.get(klass, ()), quantile)
+            self._bounds[key] = self._order_bound(self._lengths.get(klass), quantile)
         return self._bounds[key]
 
     def global_bound(self, quantile: float) -> int | None:
@@ -189,11 +217,11 @@ class LengthLearner:
         total = self._at_length + self._stopped
         return self._at_length / total if total else 0.0
 
-    def _order_bound(self, lengths: deque[int] | tuple[()], quantile: float) -> int | None:
+    def _order_bound(self, lengths: _Window | None, quantile: float) -> int | None:
         if not lengths:
             return None
         rank = _order_statistic_rank(len(lengths), quantile, self.confidence)
-        return None if rank is None else sorted(lengths)[rank - 1]
+        return None if rank is None else lengths.ranked[rank - 1]
 
     def seed(
         self,
