@@ -34,12 +34,12 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.sim_server import SimServer
 from harness.workload import SidecarProcess, make_prompts
 from tests.support.autoscalers import keda_desired, rendered
 from tests.support.prometheus_server import PrometheusServer, ScrapeJob
+from tests.support.sim import cache_config, metrics
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.vllm
@@ -70,24 +70,6 @@ def sim() -> Iterator[SimServer]:
 
 
 # --- vLLM's side ----------------------------------------------------------------------------
-
-
-def metrics(sim: SimServer) -> dict[str, float]:
-    """Unlabelled view of vLLM's samples (one engine, one model): name -> value."""
-    out: dict[str, float] = {}
-    text = httpx.get(sim.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, sample.value)
-    return out
-
-
-def cache_config(sim: SimServer) -> dict[str, str]:
-    text = httpx.get(sim.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:cache_config_info":
-            return dict(family.samples[0].labels)
-    raise AssertionError("no vllm:cache_config_info")
 
 
 @pytest.fixture(scope="module")

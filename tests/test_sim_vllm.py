@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from harness import sim_cost
 from harness.gpus import GIB, gpu
 from harness.sim_server import SimServer, model_config
+from tests.support.sim import cache_config, metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -58,24 +59,6 @@ def sim() -> Iterator[SimServer]:
         yield server
     finally:
         server.stop()
-
-
-def metrics(sim: SimServer) -> dict[str, float]:
-    """Unlabelled view of vLLM's samples (one engine, one model): name -> value."""
-    out: dict[str, float] = {}
-    text = httpx.get(sim.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, sample.value)
-    return out
-
-
-def cache_config(sim: SimServer) -> dict[str, str]:
-    text = httpx.get(sim.url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:cache_config_info":
-            return dict(family.samples[0].labels)
-    raise AssertionError("no vllm:cache_config_info")
 
 
 def complete(sim: SimServer, **body: Any) -> dict[str, Any]:

@@ -1,0 +1,24 @@
+"""What the tests on the simulated engine read of vLLM's /metrics (one engine, one model)."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.exposition import cache_config_labels
+from harness.sim_server import SimServer
+
+
+def metrics(sim: SimServer) -> dict[str, float]:
+    """Unlabelled view of vLLM's samples: name -> value (the first sample of each name)."""
+    out: dict[str, float] = {}
+    text = httpx.get(sim.url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, sample.value)
+    return out
+
+
+def cache_config(sim: SimServer) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``."""
+    return cache_config_labels(httpx.get(sim.url + "/metrics", timeout=10).text)
