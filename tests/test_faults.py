@@ -225,6 +225,16 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
                 )
                 assert_503_retry(resp, "upstream_unavailable")
             assert_503_retry(await client.get(sc.url + "/v1/models"), "upstream_unavailable")
+            # /readyz may turn 503 on vLLM's /health before a scrape has failed: a scrape sent
+            # to the stopped API server can wait out its timeout (2 s) first (a fresh-clone CI run
+            # read vllm_up true here, ready false)
+            await asyncio.to_thread(
+                wait_for,
+                lambda: httpx.get(sc.metrics_url + "/readyz", timeout=5).json()["vllm_up"] is False,
+                "a failed scrape after the kill",
+                SETTLES_WITHIN,
+                0.02,
+            )
             readyz = (await client.get(sc.metrics_url + "/readyz")).json()
             assert readyz["ready"] is False and readyz["vllm_up"] is False, readyz
             down_metrics = (await client.get(sc.metrics_url + "/metrics")).text
