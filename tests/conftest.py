@@ -23,6 +23,11 @@ from harness.vllm_info import VllmInfo, describe_vllm
 
 __all__ = ["FIXTURES", "SESSION_BLOCKS", "VllmInfo"]
 
+#: The helpers the test modules share live in tests/support/ (never in another test module):
+#: pytest rewrites the asserts of test modules and conftest files only, so that a helper's
+#: failed assert reports its operands as it did in the test module it came from.
+pytest.register_assert_rewrite("tests.support")
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 #: Captured data and the scripts that captured it (they run in the vLLM venv and import vllm):
