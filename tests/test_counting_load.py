@@ -26,7 +26,9 @@ from sidecar.config import Settings
 from sidecar.counting import CountMethod, ModelTokenizer, PromptCounter
 from sidecar.counting.slots import CountingSlots, default_slots
 from sidecar.errors import CountingBusy
-from tests.test_proxy import Stack, eventually, openai_error, retry_after, run_sidecar
+from tests.support.openai_errors import openai_error, retry_after
+from tests.support.stack import Stack, run_sidecar
+from tests.support.wait import eventually
 
 #: Words the generated tokenizer makes one token each, with or without a space before them: a
 #: prompt of them, sent without special tokens, counts as the fake vLLM's /tokenize counts it

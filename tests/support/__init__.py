@@ -3,6 +3,8 @@
 - ``faultkit``: the in-process sidecar (``ThreadedSidecar``), ``ToughFake``, ``/proc`` readings.
 - ``fake_process``: the fake vLLM in a process of its own.
 - ``prometheus_server``: a real Prometheus on loopback.
-- ``wait``: ``wait_for``, one poll-until-true with a deadline.
+- ``stack``: ``run_sidecar``, the real sidecar in front of a fake vLLM in the test's event loop.
+- ``openai_errors``: ``openai_error`` and ``retry_after``, the shape of the sidecar's refusals.
+- ``wait``: ``wait_for`` and ``eventually`` (async), poll-until-true with a deadline.
 - ``autoscalers``: the shipped KEDA and HPA overlays' queries and targets, and KEDA's formula.
 """

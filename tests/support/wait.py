@@ -1,9 +1,11 @@
-"""One poll-until-true with a deadline, for every test that waits on a process."""
+"""Polls until true with a deadline: :func:`wait_for` for every test that waits on a process,
+:func:`eventually` for the tests that wait inside their own event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 
 def wait_for(check: Callable[[], bool], what: str, within: float, step: float = 0.01) -> float:
@@ -14,3 +16,17 @@ def wait_for(check: Callable[[], bool], what: str, within: float, step: float = 
         assert elapsed < within, f"not within {within}s: {what}"
         time.sleep(step)
     return time.monotonic() - t0
+
+
+async def eventually(
+    check: Callable[[], bool | Awaitable[bool]], what: str, within: float = 10.0
+) -> None:
+    """Await ``check`` (a plain or an async predicate) every 10 ms until true; fails the test
+    after ``within`` s."""
+    deadline = time.monotonic() + within
+    while True:
+        result = check()
+        if result if isinstance(result, bool) else await result:
+            return
+        assert time.monotonic() < deadline, f"not within {within}s: {what}"
+        await asyncio.sleep(0.01)
