@@ -7,8 +7,6 @@ these tests fail rather than skip.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,25 +16,12 @@ import yaml
 from grafana import build
 from grafana.alerts import ALERTS, rule_groups
 from grafana.promql import CPU_SATURATION_SHARE
+from tests.support.promtool import run_promtool
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMTOOL_TESTS = Path(__file__).parent / "fixtures" / "promtool"
 RUNBOOKS = ROOT / "docs" / "alerts.md"
 UNIT_TEST_FILES = sorted(PROMTOOL_TESTS.glob("*.test.yaml"))
-
-
-def promtool() -> str:
-    """Path of ``promtool``; the test fails (never skips) when it is missing."""
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail("promtool not found: run scripts/system-deps.sh (Debian package prometheus)")
-    return path
-
-
-def run_promtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [promtool(), *map(str, args)], capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def load_yaml(path: Path) -> Any:

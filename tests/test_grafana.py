@@ -3,8 +3,9 @@ and filters by the dashboard's variables.
 
 Metric and label names are checked against docs/metrics.md (the sidecar) and a real vLLM's
 exposition (tests/fixtures/vllm-0.32.0-cpu/metrics-under-load.txt); PromQL syntax against
-promtool, the parser Prometheus itself uses. ``dashboard_queries`` is public: the live test that
-evaluates every panel against a real Prometheus imports it.
+promtool, the parser Prometheus itself uses. The dashboard's loader and queries are in
+tests/support/dashboard.py, shared with the live test that evaluates every panel against a real
+Prometheus.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grafana import build
 from grafana.alerts import rule_groups
-from tests.test_alerts import run_promtool
+from tests.support.dashboard import dashboard_queries, iter_panels, load_dashboard, substitute
+from tests.support.promtool import run_promtool
 
 ROOT = Path(__file__).resolve().parent.parent
 METRICS_DOC = ROOT / "docs" / "metrics.md"
@@ -91,54 +93,6 @@ REQUIRED_SERIES = frozenset(
         "kv_sidecar_cpu_limit_cores",
     }
 )
-_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
-
-
-# --- helpers other tests import ----------------------------------------------------------------
-
-
-def substitute(text: str, substitutions: dict[str, str]) -> str:
-    """Replace Grafana variables (``$name`` or ``${name}``) whose name is in ``substitutions``.
-
-    Keys may be spelt ``$name``, ``${name}`` or ``name``; unknown variables are left as they are.
-
-    >>> substitute('x{pod=~"$pod"}[${__rate_interval}]', {"$pod": "p", "__rate_interval": "1m"})
-    'x{pod=~"p"}[1m]'
-    """
-    values = {key.strip("${}"): value for key, value in substitutions.items()}
-
-    def replace(match: re.Match[str]) -> str:
-        name = match.group(1) or match.group(2)
-        return values.get(name, match.group(0))
-
-    return _VARIABLE.sub(replace, text)
-
-
-def iter_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Every panel, rows' nested panels (collapsed rows) included; rows themselves excluded."""
-    for panel in panels:
-        if panel.get("type") == "row":
-            yield from iter_panels(panel.get("panels", []))
-        else:
-            yield panel
-
-
-def load_dashboard() -> dict[str, Any]:
-    dashboard: dict[str, Any] = json.loads(build.DASHBOARD_JSON.read_text(encoding="utf-8"))
-    return dashboard
-
-
-def dashboard_queries(substitutions: dict[str, str]) -> list[tuple[str, str]]:
-    """(panel title, PromQL) for every target of the committed dashboard, variables substituted.
-
-    >>> dashboard_queries({"$pod": "p"})[0][0]
-    'vLLM preemptions /s'
-    """
-    return [
-        (panel["title"], substitute(target["expr"], substitutions))
-        for panel in iter_panels(load_dashboard()["panels"])
-        for target in panel.get("targets", [])
-    ]
 
 
 # --- what the metric names and labels may be --------------------------------------------------

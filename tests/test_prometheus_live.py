@@ -28,8 +28,8 @@ from grafana.build import ALERTS_YAML
 from grafana.promql import cpu_share
 from harness.workload import Result, SidecarProcess, make_prompts, metric_value, one_completion
 from tests.conftest import VllmInfo
+from tests.support.dashboard import dashboard_queries, load_dashboard
 from tests.support.prometheus_server import PrometheusServer, Sample, ScrapeJob, has_data
-from tests.test_grafana import dashboard_queries, load_dashboard
 
 pytestmark = pytest.mark.vllm
 

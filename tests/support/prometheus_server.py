@@ -3,7 +3,7 @@
 Writes a ``prometheus.yml`` with static scrape jobs (and optional rule files) into a directory,
 starts the server on a free loopback port with its TSDB in that directory, and wraps the parts of
 the HTTP API the tests use: instant and range queries, targets, rules and alerts. The binary is
-required: without it the tests fail rather than skip, like ``promtool`` in tests/test_alerts.py.
+required: without it the tests fail rather than skip, like ``promtool`` (tests/support/promtool.py).
 
 >>> job = ScrapeJob("kv-sidecar", "127.0.0.1:9091", {"pod": "llm-0"})
 >>> job.config()["static_configs"][0]["labels"]
