@@ -1,9 +1,9 @@
 """Spans of a real ``kv-sidecar serve`` process, received by a real OTLP/HTTP receiver.
 
-The receiver (:class:`OtlpReceiver`) is a small HTTP server that decodes each protobuf
-``ExportTraceServiceRequest`` posted to ``/v1/traces``. The sidecar runs in front of the fake
-vLLM, configured by the standard environment only (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``), with
-a batch delay of a minute: the spans can only arrive through the flush at SIGTERM. Checked: one
+The receiver (:class:`~tests.support.otlp.OtlpReceiver`) is a small HTTP server that decodes
+each protobuf ``ExportTraceServiceRequest`` posted to ``/v1/traces``. The sidecar runs in front of
+the fake vLLM, configured by the standard environment only (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``),
+with a batch delay of a minute: the spans can only arrive through the flush at SIGTERM. Checked: one
 server span per generation request, continuing the client's ``traceparent``, with children for
 counting, the admission queue (its wait measured) and the upstream call; vLLM received a
 ``traceparent`` of the same trace whose parent is the upstream span. Without ``OTEL_*`` the
@@ -13,107 +13,23 @@ real vLLM exporting its own spans: ``tests/test_tracing_vllm.py``.
 
 from __future__ import annotations
 
-import gzip
 import os
 import re
-import threading
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from harness.fake_vllm import FakeServer, FakeVllm, count_prompt, write_model_dir
 from harness.workload import SidecarProcess
 from sidecar.errors import ConfigError
 from sidecar.observability.tracing import exporter_names, from_env
-
-TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-CLIENT_SPAN_ID = "00f067aa0ba902b7"
-
-
-def _value(value: AnyValue) -> Any:
-    kind = value.WhichOneof("value")
-    return getattr(value, kind) if kind is not None else None
-
-
-class ReceivedSpan:
-    """One decoded span, with its resource's attributes."""
-
-    def __init__(self, span: Span, resource: dict[str, Any]) -> None:
-        self.name = span.name
-        self.kind = span.kind
-        self.trace_id = span.trace_id.hex()
-        self.span_id = span.span_id.hex()
-        self.parent_id = span.parent_span_id.hex()
-        self.start_ns = span.start_time_unix_nano
-        self.end_ns = span.end_time_unix_nano
-        self.status_code = span.status.code
-        self.attributes = {a.key: _value(a.value) for a in span.attributes}
-        self.resource = resource
-
-
-class OtlpReceiver:
-    """An OTLP/HTTP trace receiver on a loopback port (protobuf, uncompressed or gzip)."""
-
-    def __init__(self) -> None:
-        self.spans: list[ReceivedSpan] = []
-        self.exports = 0
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                ok = (
-                    self.path == "/v1/traces"
-                    and self.headers.get("Content-Type") == "application/x-protobuf"
-                )
-                if ok:
-                    request = ExportTraceServiceRequest.FromString(body)
-                    for resource_spans in request.resource_spans:
-                        resource = {
-                            a.key: _value(a.value) for a in resource_spans.resource.attributes
-                        }
-                        for scope_spans in resource_spans.scope_spans:
-                            for span in scope_spans.spans:
-                                receiver.spans.append(ReceivedSpan(span, resource))
-                    receiver.exports += 1
-                answer = ExportTraceServiceResponse().SerializeToString() if ok else b""
-                self.send_response(200 if ok else 404)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-
-    def __enter__(self) -> OtlpReceiver:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+from tests.support.otlp import CLIENT_SPAN_ID, TRACE_ID, OtlpReceiver, children
 
 
 @pytest.fixture
@@ -135,13 +51,6 @@ def chat(words: str, max_tokens: int) -> dict[str, Any]:
         "messages": [{"role": "user", "content": words}],
         "max_tokens": max_tokens,
     }
-
-
-def children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> dict[str, ReceivedSpan]:
-    found = [s for s in spans if s.parent_id == parent.span_id and s.trace_id == parent.trace_id]
-    named = {s.name: s for s in found}
-    assert len(named) == len(found), [s.name for s in found]
-    return named
 
 
 @pytest.mark.usefixtures("clean_env")

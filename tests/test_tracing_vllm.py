@@ -3,7 +3,7 @@
 A real vLLM (CPU build) runs with ``--otlp-traces-endpoint`` (OTLP over HTTP/protobuf:
 ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf``; vLLM's default is gRPC) and a real
 ``kv-sidecar serve`` in front of it with ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, both exporting to
-the same :class:`~tests.test_tracing.OtlpReceiver`. One chat request with a client
+the same :class:`~tests.support.otlp.OtlpReceiver`. One chat request with a client
 ``traceparent``: the sidecar's server span continues the client's trace, and vLLM's
 ``llm_request`` span, made from the ``traceparent`` vLLM received, is in the same trace under the
 sidecar's upstream-call span, after the sidecar's admission queue.
@@ -20,7 +20,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from harness.vllm_cpu import VllmServer
 from harness.workload import SidecarProcess
-from tests.test_tracing import CLIENT_SPAN_ID, TRACE_ID, OtlpReceiver, ReceivedSpan, children
+from tests.support.otlp import CLIENT_SPAN_ID, TRACE_ID, OtlpReceiver, ReceivedSpan, children
 
 pytestmark = pytest.mark.vllm
 

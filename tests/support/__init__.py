@@ -4,6 +4,7 @@
 - ``fake_process``: the fake vLLM in a process of its own.
 - ``prometheus_server``: a real Prometheus on loopback.
 - ``promtool``: ``run_promtool``, Prometheus's checker (fails, never skips, when it is missing).
+- ``otlp``: ``OtlpReceiver``, a real OTLP/HTTP trace receiver, and the spans it decodes.
 - ``dashboard``: the committed Grafana dashboard, its panels and their queries.
 - ``stack``: ``run_sidecar``, the real sidecar in front of a fake vLLM in the test's event loop.
 - ``openai_errors``: ``openai_error`` and ``retry_after``, the shape of the sidecar's refusals.
