@@ -14,17 +14,10 @@ from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import Projection, project_counts
+from tests.support.snapshots import Clock
 
 BLOCKS = UniformBlocks(128)
 MAX_MODEL_LEN = 2048
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def snapshot(clock: Clock, **kw: object) -> EngineSnapshot:

@@ -18,42 +18,9 @@ from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.prefix import block_hashes
 from sidecar.kv.projection import Projection, project_counts
+from tests.support.snapshots import Clock, snapshot
 
 BLOCKS = UniformBlocks(128)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def snapshot(
-    clock: Clock,
-    *,
-    used: int = 0,
-    blocks: int = 64,
-    preemptions: float = 0,
-    generated: float = 0,
-    running: int = 0,
-) -> EngineSnapshot:
-    capacity = blocks - 1
-    return EngineSnapshot(
-        taken_at=clock(),
-        block_size=128,
-        num_gpu_blocks=blocks,
-        engines=1,
-        kv_cache_usage=used / capacity,
-        running=running,
-        preemptions_total=preemptions,
-        generation_tokens_total=generated,
-        cache_dtype="auto",
-        prefix_caching=True,
-        kv_cache_memory_bytes=None,
-        has_cache_config=True,
-    )
 
 
 def proj(prompt: int = 271, max_tokens: int = 700, n: int = 1) -> Projection:

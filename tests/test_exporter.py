@@ -25,7 +25,7 @@ from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import project_counts
 from sidecar.observability.exporter import Metrics
-from tests.test_admission import Clock, snapshot
+from tests.support.snapshots import Clock, snapshot
 
 DOCS = Path(__file__).parent.parent / "docs" / "metrics.md"
 BLOCKS = UniformBlocks(128, 131_072)

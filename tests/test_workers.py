@@ -43,7 +43,7 @@ from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import project_counts
 from sidecar.observability.exporter import Metrics
 from tests.conftest import VllmInfo
-from tests.test_admission import snapshot
+from tests.support.snapshots import snapshot
 
 #: a completions request the fake counts as 3 prompt tokens; with max_tokens 900 it may reach
 #: 903 tokens: 8 blocks of 128, so that 7 fit the budget of 59 at once

@@ -6,6 +6,7 @@
 - ``promtool``: ``run_promtool``, Prometheus's checker (fails, never skips, when it is missing).
 - ``otlp``: ``OtlpReceiver``, a real OTLP/HTTP trace receiver, and the spans it decodes.
 - ``dashboard``: the committed Grafana dashboard, its panels and their queries.
+- ``snapshots``: ``Clock``, a clock set by hand, and ``snapshot``, an engine snapshot to admit on.
 - ``stack``: ``run_sidecar``, the real sidecar in front of a fake vLLM in the test's event loop.
 - ``openai_errors``: ``openai_error`` and ``retry_after``, the shape of the sidecar's refusals.
 - ``wait``: ``wait_for`` and ``eventually`` (async), poll-until-true with a deadline.
