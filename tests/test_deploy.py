@@ -32,14 +32,20 @@ import yaml
 from pydantic import AliasChoices
 
 from sidecar.config import Settings
+from tests.support.manifests import (
+    DEPLOY,
+    SIDECAR,
+    VLLM,
+    container,
+    container_port,
+    of_kind,
+    render,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
 DOCKERFILE = ROOT / "Dockerfile"
 LOCK = ROOT / "requirements.lock"
 
-SIDECAR = "kv-sidecar"
-VLLM = "vllm"
 ENV_PREFIX = "KV_SIDECAR_"
 
 #: The preStop ``sleep`` action needs 1.30 (beta, on by default); the newest schemas shipped.
@@ -74,29 +80,6 @@ def _kustomizations() -> list[str]:
 KUSTOMIZATIONS = _kustomizations()
 
 
-@functools.cache
-def render(kustomization: str) -> tuple[dict[str, Any], ...]:
-    """The objects ``kubectl kustomize deploy/<kustomization>`` prints."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl is not installed: these tests need it (scripts/system-deps.sh)")
-    done = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY / kustomization)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert done.returncode == 0, f"kubectl kustomize deploy/{kustomization}:\n{done.stderr}"
-    docs = tuple(d for d in yaml.safe_load_all(done.stdout) if d)
-    assert docs, f"deploy/{kustomization} renders nothing"
-    return docs
-
-
-def of_kind(docs: tuple[dict[str, Any], ...], kind: str) -> list[dict[str, Any]]:
-    return [d for d in docs if d["kind"] == kind]
-
-
 def sidecar_deployments(kustomization: str) -> list[dict[str, Any]]:
     deployments = [
         d
@@ -105,25 +88,6 @@ def sidecar_deployments(kustomization: str) -> list[dict[str, Any]]:
     ]
     assert deployments, f"deploy/{kustomization}: no Deployment has a {SIDECAR} container"
     return deployments
-
-
-def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
-    containers: list[dict[str, Any]] = deployment["spec"]["template"]["spec"]["containers"]
-    for c in containers:
-        if c["name"] == name:
-            return c
-    raise AssertionError(f"{deployment['metadata']['name']} has no container {name!r}")
-
-
-def container_port(c: dict[str, Any], port: int | str) -> int:
-    """The number a probe's or Service's port means in this container (a name or a number)."""
-    if isinstance(port, int):
-        assert any(p["containerPort"] == port for p in c.get("ports", [])), (c["name"], port)
-        return port
-    for p in c.get("ports", []):
-        if p.get("name") == port:
-            return int(p["containerPort"])
-    raise AssertionError(f"container {c['name']!r} has no port named {port!r}")
 
 
 def settings_env_vars() -> dict[str, str]:

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
 from harness.workload import SidecarProcess
-from tests.test_deploy import SIDECAR, container, container_port, of_kind, render
+from tests.support.manifests import SIDECAR, container, container_port, of_kind, render
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "deploy" / "llm-d"

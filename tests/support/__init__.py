@@ -10,5 +10,7 @@
 - ``stack``: ``run_sidecar``, the real sidecar in front of a fake vLLM in the test's event loop.
 - ``openai_errors``: ``openai_error`` and ``retry_after``, the shape of the sidecar's refusals.
 - ``wait``: ``wait_for`` and ``eventually`` (async), poll-until-true with a deadline.
+- ``manifests``: ``render``, the deploy/ kustomizations as ``kubectl kustomize`` prints them, and
+  lookups in them (``of_kind``, ``container``, ``container_port``).
 - ``autoscalers``: the shipped KEDA and HPA overlays' queries and targets, and KEDA's formula.
 """
