@@ -1,8 +1,9 @@
 """The shipped autoscalers' inputs, read from the rendered overlays, and the HPA's replica formula.
 
-``rendered()`` runs ``kubectl kustomize`` on ``deploy/overlays/autoscaling-keda`` and
-``.../autoscaling-hpa`` and returns KEDA's query, threshold and metric type and the HPA's Pods
-metric and target; ``keda_desired`` is the count KEDA's HPA aims for.
+``rendered()`` reads ``deploy/overlays/autoscaling-keda`` and ``.../autoscaling-hpa`` as
+``kubectl kustomize`` renders them (:func:`tests.support.manifests.render`) and returns KEDA's
+query, threshold and metric type and the HPA's Pods metric and target; ``keda_desired`` is the
+count KEDA's HPA aims for.
 
 >>> keda_desired(2.97, 0.8, "AverageValue", current=1)
 4
@@ -11,14 +12,9 @@ metric and target; ``keda_desired`` is the count KEDA's HPA aims for.
 from __future__ import annotations
 
 import math
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-import yaml
-
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+from tests.support.manifests import of_kind, render
 
 
 @dataclass(frozen=True)
@@ -33,17 +29,6 @@ class Rendered:
     hpa_target: float
 
 
-def _kustomize(overlay: str) -> list[dict[str, Any]]:
-    done = subprocess.run(
-        ["kubectl", "kustomize", str(DEPLOY / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
-    return [d for d in yaml.safe_load_all(done.stdout) if d]
-
-
 def _quantity(value: str | int | float) -> float:
     """A Kubernetes quantity as the HPA reads it ("800m" -> 0.8)."""
     text = str(value)
@@ -51,9 +36,9 @@ def _quantity(value: str | int | float) -> float:
 
 
 def rendered() -> Rendered:
-    (scaled,) = [d for d in _kustomize("autoscaling-keda") if d["kind"] == "ScaledObject"]
+    (scaled,) = of_kind(render("overlays/autoscaling-keda"), "ScaledObject")
     (kv,) = [t for t in scaled["spec"]["triggers"] if t["name"] == "kv-demand"]
-    (hpa,) = [d for d in _kustomize("autoscaling-hpa") if d["kind"] == "HorizontalPodAutoscaler"]
+    (hpa,) = of_kind(render("overlays/autoscaling-hpa"), "HorizontalPodAutoscaler")
     (pods,) = [
         m["pods"]
         for m in hpa["spec"]["metrics"]
