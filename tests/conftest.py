@@ -1,4 +1,5 @@
-"""Shared fixtures: the real vLLM (CPU build, generated model) and fixture-file helpers.
+"""Shared fixtures: the real vLLM (CPU build, generated model), the generated model's tokenizer
+and fixture-file helpers.
 
 The ``vllm`` fixture starts one vLLM server per test session with a small fixed KV pool (64
 blocks of 128 tokens). Set ``KV_SIDECAR_TEST_VLLM_URL`` to run the same tests against a vLLM
@@ -14,12 +15,16 @@ import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
-from harness.vllm_cpu import VllmServer
+from harness.vllm_cpu import VllmServer, ensure_tokenizer_model
 from harness.vllm_info import VllmInfo, describe_vllm
+
+if TYPE_CHECKING:
+    from sidecar.counting import ModelTokenizer
 
 __all__ = ["FIXTURES", "SESSION_BLOCKS", "VllmInfo"]
 
@@ -99,3 +104,11 @@ def fixture_text() -> Iterator[object]:
         return FIXTURES.joinpath(*parts).read_text()
 
     yield read
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> ModelTokenizer:
+    """The generated test model's tokenizer, without starting vLLM."""
+    from sidecar.counting import ModelTokenizer
+
+    return ModelTokenizer.load(ensure_tokenizer_model())

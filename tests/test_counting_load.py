@@ -153,11 +153,6 @@ def test_slots_refuse_nonsense() -> None:
 # --- the tokenizer and the counter -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_tokenizer() -> ModelTokenizer:
-    return ModelTokenizer.load(ensure_tokenizer_model())
-
-
 def test_a_long_text_is_tokenized_with_the_gil_released(tiny_tokenizer: ModelTokenizer) -> None:
     """While a worker thread tokenizes a long text, another Python thread keeps running.
 

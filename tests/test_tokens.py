@@ -339,12 +339,6 @@ def served_tokenizer(vllm: VllmInfo) -> ModelTokenizer:
     return ModelTokenizer.load(vllm.model_dir)
 
 
-@pytest.fixture(scope="session")
-def tiny_tokenizer() -> ModelTokenizer:
-    """The generated test model's tokenizer, without starting vLLM."""
-    return ModelTokenizer.load(ensure_tokenizer_model())
-
-
 @pytest.fixture
 async def client() -> Any:
     async with httpx.AsyncClient(timeout=60) as http:
