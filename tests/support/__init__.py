@@ -1,4 +1,5 @@
-"""Helpers shared by the test modules, which import them from here instead of from each other.
+"""Helpers shared by the test modules, which import them from here instead of from each other
+(tests/test_layout.py fails on any import of a test module; shared fixtures are in conftest.py).
 
 - ``faultkit``: the in-process sidecar (``ThreadedSidecar``), ``ToughFake``, ``/proc`` readings.
 - ``fake_process``: the fake vLLM in a process of its own.
@@ -12,5 +13,6 @@
 - ``wait``: ``wait_for`` and ``eventually`` (async), poll-until-true with a deadline.
 - ``manifests``: ``render``, the deploy/ kustomizations as ``kubectl kustomize`` prints them, and
   lookups in them (``of_kind``, ``container``, ``container_port``).
+- ``sim``: what the tests on the simulated engine read of its /metrics.
 - ``autoscalers``: the shipped KEDA and HPA overlays' queries and targets, and KEDA's formula.
 """
