@@ -9,6 +9,8 @@ Retry-After).
 
 from __future__ import annotations
 
+import heapq
+
 from sidecar.admission.costs import EngineCosts
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.ledger import Ledger
@@ -120,15 +122,15 @@ class EngineView:
         """
         ledger = self.ledger
         predicted = ledger.predicted_blocks - ledger.shared_blocks_now()
-        started = [r for r in ledger if r.started]
-        ours = sum(r.projection.sequences for r in started)
+        ours = ledger.started_sequences
         running = snap.running
         if running < ours:
             surplus = ours - running
-            by_progress = sorted(
-                started,
+            # each request has a sequence at least: the surplus most advanced cover it
+            by_progress = heapq.nlargest(
+                surplus,
+                (r for r in ledger if r.started),
                 key=lambda r: r.generated / max(max(r.projection.max_tokens), 1),
-                reverse=True,
             )
             for res in by_progress:
                 if surplus <= 0:
@@ -137,7 +139,10 @@ class EngineView:
                 surplus -= res.projection.sequences
         elif running > ours:
             shortfall = running - ours
-            for res in sorted((r for r in ledger if not r.started), key=lambda r: r.admitted_at):
+            oldest = heapq.nsmallest(
+                shortfall, (r for r in ledger if not r.started), key=lambda r: r.admitted_at
+            )
+            for res in oldest:
                 if shortfall <= 0:
                     break
                 predicted += res.projection.prompt_blocks

@@ -85,7 +85,7 @@ def committed_blocks(peak_blocks: int, pool: PoolState, *, prompt_blocks: int = 
 
 def in_flight_peak(ledger: Ledger, *extra: Reservation, worst_case: bool = False) -> int:
     """The most blocks the ledger's requests (and ``extra``) can hold at once from now."""
-    return future_peak(ledger.trajectories(extra, worst_case=worst_case), ledger.blocks)
+    return ledger.peak_with(*extra, worst_case=worst_case)
 
 
 def fits(

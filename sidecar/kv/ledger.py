@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from sidecar.kv.blocks import BlockMath
 from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
-from sidecar.kv.trajectory import Columns
+from sidecar.kv.rows import Profile, Rows
+from sidecar.kv.trajectory import Columns, future_peak
 
 _NEVER = math.inf  # the remaining steps of a sequence not started yet: it may start any time
 
@@ -63,6 +64,7 @@ class Reservation:
     #: the same request reserved in the other engines' pools, when it cannot be sent to one
     #: engine (vLLM's coordinator then picks, and it may pick any)
     shadows: list[Reservation] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # its rows in the ledger's columns, per prompt
 
     @property
     def peak_blocks(self) -> int:
@@ -105,6 +107,12 @@ class Ledger:
         self._freed: deque[tuple[float, int]] = deque()
         self._freed_sum = 0
         self._hold_seconds_ewma: float | None = None
+        self._rows = Rows()
+        self._uncapped = all(cap is None for cap in blocks.group_caps)
+        #: bumped by every change to a trajectory: the profiles below are valid while it holds
+        self.version = 0
+        self.started_sequences = 0  # the sequences of started requests in flight
+        self._profiles: dict[bool, tuple[int, Profile]] = {}
 
     def __len__(self) -> int:
         return len(self._active)
@@ -164,6 +172,8 @@ class Ledger:
         self._active[res.id] = res
         self.reserved_blocks += res.reserved_blocks
         self.peak_blocks += res.projection.peak_blocks
+        self._rows.add(res, hashed=self.share_prefixes)
+        self.version += 1
         return res
 
     def start(self, res: Reservation) -> None:
@@ -173,15 +183,24 @@ class Ledger:
         res.started = True
         res.started_at = self._clock()
         self._set_predicted(res, res.projection.blocks_at(int(res.generated), self.blocks))
+        if res.id in self._active:
+            self._rows.update(res)
+            self.version += 1
+            self.started_sequences += res.projection.sequences
 
     def advance(self, res: Reservation, generated_per_sequence: float) -> None:
         """Record generation progress; a request past its reservation grows it."""
         if res.released or generated_per_sequence <= res.generated:
             return
+        whole = int(res.generated) != int(generated_per_sequence)
         res.generated = generated_per_sequence
-        if not res.overran and res.id in self._active and generated_per_sequence >= min(res.ends):
+        tracked = res.id in self._active
+        if not res.overran and tracked and generated_per_sequence >= min(res.ends):
             res.overran = True
             self.overruns += 1
+        if tracked and whole:
+            self._rows.update(res)
+            self.version += 1
         if not res.started:
             return  # counted from its start
         self._set_predicted(res, res.projection.blocks_at(int(generated_per_sequence), self.blocks))
@@ -200,6 +219,10 @@ class Ledger:
             return 0
         res.released = True
         del self._active[res.id]
+        self._rows.remove(res)
+        self.version += 1
+        if res.started:
+            self.started_sequences -= res.projection.sequences
         if res.overran:
             self.overruns -= 1
         self.reserved_blocks -= res.reserved_blocks
@@ -216,6 +239,27 @@ class Ledger:
         return res.reserved_blocks
 
     # --- the future --------------------------------------------------------------------------
+
+    def profile(self, *, worst_case: bool = False) -> Profile:
+        """The in-flight requests' demand profile (``sidecar.kv.rows``), kept until the ledger
+        changes."""
+        cached = self._profiles.get(worst_case)
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
+        profile = self._rows.profile(self.blocks, worst_case=worst_case, share=self.share_prefixes)
+        self._profiles[worst_case] = (self.version, profile)
+        return profile
+
+    def peak_with(self, *extra: Reservation, worst_case: bool = False) -> int:
+        """The most blocks the requests in flight and ``extra`` (candidates, not started) can
+        hold at once from now: :func:`sidecar.kv.trajectory.future_peak` of
+        :meth:`trajectories`, from the columns the ledger keeps."""
+        if not self._uncapped:  # sliding-window groups: the matrix path over laid-out columns
+            return future_peak(self.trajectories(extra, worst_case=worst_case), self.blocks)
+        profile = self.profile(worst_case=worst_case)
+        if not extra:
+            return profile.peak
+        return profile.peak_with(extra, self.blocks, worst_case=worst_case)
 
     def trajectories(
         self,
@@ -286,7 +330,9 @@ class Ledger:
 
     def shared_blocks_now(self) -> int:
         """Prompt blocks of running requests that vLLM holds once for several of them."""
-        return self.trajectories(started_only=True).shared_total()
+        if not self._uncapped or not self.share_prefixes:
+            return 0  # no prefix cache, or sliding-window groups that drop old blocks
+        return self._rows.shared_started()
 
     # --- rates ---------------------------------------------------------------------------------
 

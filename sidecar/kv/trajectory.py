@@ -44,7 +44,9 @@ import numpy.typing as npt
 from sidecar.kv.blocks import BlockMath
 
 IntArray = npt.NDArray[np.int64]
-#: started (held, left, weight, shared) and not started (prompt, end, weight, shared) columns
+#: started (held, left, weight, weight x shared) and not started (prompt, end, weight,
+#: weight x shared) columns: ``weight x shared`` is the prompt blocks the rows' sequences hold
+#: once for several (a sum over the row's sequences, so that rows can be merged)
 Arrays = tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]
 
 
@@ -155,15 +157,16 @@ class Columns:
         def a(values: list[int]) -> IntArray:
             return np.array(values, dtype=np.int64)
 
+        weight, w_weight = a(self.weight), a(self.w_weight)
         return (
             a(self.held),
             a(self.left),
-            a(self.weight),
-            a(self.shared),
+            weight,
+            weight * a(self.shared),
             a(self.prompt),
             a(self.end),
-            a(self.w_weight),
-            a(self.w_shared),
+            w_weight,
+            w_weight * a(self.w_shared),
         )
 
 
@@ -189,60 +192,93 @@ def _profile(arrays: Arrays, blocks: BlockMath) -> tuple[IntArray, IntArray]:
     return _profile_matrix(arrays, blocks)
 
 
-def _suffix_counts(rem: IntArray, weight: IntArray, size: int) -> IntArray:
-    """``C[s, v]``: the summed weight of items ``s..`` whose remainder is at least ``v``."""
-    table = np.zeros((len(rem) + 1, size + 1), dtype=np.int64)
-    np.add.at(table, (np.arange(len(rem)), rem), weight)
-    table = np.cumsum(table[:, ::-1], axis=1)[:, ::-1]  # >= v
-    return np.cumsum(table[::-1], axis=0)[::-1]  # items s..
+def _suffix_residue_counts(
+    rem: IntArray, weight: IntArray, cuts: IntArray, at_least: IntArray, size: int
+) -> IntArray:
+    """``out[k]``: the summed weight of items ``cuts[k]..`` whose remainder is at least
+    ``at_least[k]`` (``cuts`` nondecreasing; ``at_least`` in ``0..size``).
+
+    Items are binned by the last cut at or before them and by remainder (one ``bincount``), then
+    summed from the back over cuts and over remainders: ``O(n log k + k * size)``.
+    """
+    k = len(cuts)
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    # the last cut at or before each item, counted from the back (so that the sums run forwards
+    # over contiguous memory); remainders from the top
+    marks = np.bincount(cuts, minlength=len(rem) + 1)[: len(rem)]
+    group = k - np.cumsum(marks)  # k - 1 - (index of the last cut <= item); k: before them all
+    keep = group < k
+    flat = group[keep] * size + (size - 1 - rem[keep])
+    if bool((weight == 1).all()):
+        table = np.bincount(flat, minlength=k * size)
+    else:
+        table = np.bincount(flat, weights=weight[keep], minlength=k * size).round()
+    table = table.astype(np.int64).reshape(k, size)
+    np.cumsum(table, axis=0, out=table)  # items from cut k on
+    np.cumsum(table, axis=1, out=table)  # column j: remainder >= size - 1 - j
+    table = np.concatenate([np.zeros((k, 1), dtype=np.int64), table], axis=1)
+    # remainder >= v is column size - v; cut k is row k - 1 - k
+    return table[k - 1 - np.arange(k), size - at_least]
 
 
 def _suffix(values: IntArray) -> IntArray:
     """``S[s]``: the sum of ``values[s:]`` (``S[len]`` is 0)."""
-    return np.append(np.cumsum(values[::-1])[::-1], 0)
+    out = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values[::-1], out=out[-2::-1])
+    return out
 
 
 def _profile_uncapped(arrays: Arrays, size: int, groups: int) -> tuple[IntArray, IntArray]:
     # pages(x) = ceil(x / size) = q + tq + [r + tr >= size] with a = x - t + size - 1 = q*size + r
-    # and t = tq*size + tr: summed over a suffix of sequences, three suffix sums and one table.
-    held, left, weight, shared, prompt, end, w_weight, w_shared = arrays
-    order = np.argsort(left, kind="stable")
-    held, left, weight, shared = held[order], left[order], weight[order], shared[order]
+    # and t = tq*size + tr: summed over a suffix of sequences, three suffix sums and one count of
+    # remainders. Ties in a sort order do not matter: every sum runs over whole runs of ties.
+    held, left, weight, wshared, prompt, end, w_weight, w_wshared = arrays
+    order = np.argsort(left)
+    held, left, weight, wshared = held[order], left[order], weight[order], wshared[order]
     a = held + size - 1
-    steps = np.unique(left)
-    first = np.searchsorted(left, steps, side="left")  # the sequences still running at a step
+    if len(left):
+        new = np.empty(len(left), dtype=bool)
+        new[0] = True
+        np.not_equal(left[1:], left[:-1], out=new[1:])
+        first = np.flatnonzero(new)  # the sequences still running at a step start here
+        steps = left[first]
+    else:
+        first = steps = np.zeros(0, dtype=np.int64)
     tq, tr = steps // size, steps % size
     started_part = (
         groups
         * (
             _suffix(weight * (a // size))[first]
             + tq * _suffix(weight)[first]
-            + _suffix_counts(a % size, weight, size)[first, size - tr]
+            + _suffix_residue_counts(a % size, weight, first, size - tr, size)
         )
-        - _suffix(weight * shared)[first]
+        - _suffix(wshared)[first]
     )
-    w_order = np.argsort(end, kind="stable")
-    prompt, end, w_weight, w_shared = (
-        prompt[w_order],
-        end[w_order],
-        w_weight[w_order],
-        w_shared[w_order],
-    )
+    if not len(end):  # nothing waiting to start
+        return (
+            np.append(steps, -1).astype(np.int64),
+            np.append(started_part, 0).astype(np.int64),
+        )
+    w_order = np.argsort(end)
+    prompt, end, w_weight = prompt[w_order], end[w_order], w_weight[w_order]
     peak = np.where(prompt + end > 0, (prompt + end + size - 1) // size, 0) * groups * w_weight
-    at_peak = np.append(0, np.cumsum(peak))  # items before j are at their end
+    at_peak = np.zeros(len(peak) + 1, dtype=np.int64)  # items before j are at their end
+    np.cumsum(peak, out=at_peak[1:])
     b = prompt + size - 1
     growing = np.searchsorted(end, steps, side="right")  # those with end > step still grow
+    held_once = int(w_wshared.sum())
     waiting_part = (
         at_peak[growing]
         + groups
         * (
             _suffix(w_weight * (b // size))[growing]
             + tq * _suffix(w_weight)[growing]
-            + _suffix_counts(b % size, w_weight, size)[growing, size - tr]
+            + _suffix_residue_counts(b % size, w_weight, growing, size - tr, size)
         )
-        - int((w_weight * w_shared).sum())
+        - held_once
     )
-    after = int(peak.sum() - (w_weight * w_shared).sum())
+    after = int(at_peak[-1]) - held_once
     return (
         np.append(steps, -1).astype(np.int64),
         np.append(started_part + waiting_part, after).astype(np.int64),
@@ -250,23 +286,23 @@ def _profile_uncapped(arrays: Arrays, size: int, groups: int) -> tuple[IntArray,
 
 
 def _profile_matrix(arrays: Arrays, blocks: BlockMath) -> tuple[IntArray, IntArray]:
-    held, left, weight, shared, prompt, end, w_weight, w_shared = arrays
+    held, left, weight, wshared, prompt, end, w_weight, w_wshared = arrays
     steps = np.unique(left)  # sorted
     # started sequences still running at each step (left >= step), at their size then
     grid_tokens = held[None, :] + steps[:, None]
     alive = left[None, :] >= steps[:, None]
     started_part = (
-        np.where(alive, (_blocks(grid_tokens, blocks) - shared[None, :]) * weight[None, :], 0)
+        np.where(alive, _blocks(grid_tokens, blocks) * weight[None, :] - wshared[None, :], 0)
         .sum(axis=1)
         .astype(np.int64)
     )
     waiting_tokens = prompt[None, :] + np.minimum(steps[:, None], end[None, :])
     waiting_part = (
-        ((_blocks(waiting_tokens, blocks) - w_shared[None, :]) * w_weight[None, :])
+        (_blocks(waiting_tokens, blocks) * w_weight[None, :] - w_wshared[None, :])
         .sum(axis=1)
         .astype(np.int64)
     )
-    after = int(((_blocks(prompt + end, blocks) - w_shared) * w_weight).sum())
+    after = int((_blocks(prompt + end, blocks) * w_weight - w_wshared).sum())
     return (
         np.append(steps, -1).astype(np.int64),
         np.append(started_part + waiting_part, after).astype(np.int64),
@@ -303,14 +339,14 @@ def steps_until_fits(
     if int(_profile(own, blocks)[1].max(initial=0)) > budget_blocks:
         return None
     columns = _columns(trajectories)
-    held, left, weight, shared, prompt, end, w_weight, w_shared = columns.arrays()
+    held, left, weight, wshared, prompt, end, w_weight, w_wshared = columns.arrays()
     gone = np.array(columns.gone, dtype=np.int64)
-    _, _, _, _, c_prompt, c_end, c_weight, c_shared = own
+    _, _, _, _, c_prompt, c_end, c_weight, c_wshared = own
     waiting = (
         np.concatenate([prompt, c_prompt]),
         np.concatenate([end, c_end]),
         np.concatenate([w_weight, c_weight]),
-        np.concatenate([w_shared, c_shared]),
+        np.concatenate([w_wshared, c_wshared]),
     )
     starts = np.unique(np.append(gone, 0))
     if len(starts) > MAX_TRIED_STARTS:
@@ -322,7 +358,7 @@ def steps_until_fits(
             held[keep] + step,
             left[keep] - step,
             weight[keep],
-            shared[keep],
+            wshared[keep],
             *waiting,
         )
         if int(_profile(moved, blocks)[1].max(initial=0)) <= budget_blocks:

@@ -1,0 +1,252 @@
+"""The in-flight sequences as numpy columns, kept as requests are admitted, start, advance and
+end, so that admission lays out no trajectory per decision.
+
+The ledger (``sidecar.kv.ledger``) owns one :class:`Rows`: a row per prompt of each reservation
+(its ``n`` sequences as the row's weight), with the prompt, the tokens generated, the reserved end
+and ``max_tokens``. :meth:`Rows.arrays` turns them into the columns ``sidecar.kv.trajectory``
+computes the demand profile on, with the full prompt blocks that sequences share charged once,
+to the sequence that lives longest, as :meth:`sidecar.kv.ledger.Ledger.trajectories` does.
+
+A :class:`Profile` is that demand at every end of a started sequence, with what is needed to add
+unstarted candidates to it exactly: a candidate is never freed (it may start at any moment), so
+it only adds its own growth at each of the profile's steps, less the prompt blocks it shares with
+sequences still alive then. Adding candidates to a profile costs ``O(steps)``; building one,
+``O(n log n)`` in numpy.
+
+>>> from sidecar.kv.geometry import UniformBlocks
+>>> from sidecar.kv.ledger import Ledger
+>>> from sidecar.kv.projection import project_counts
+>>> blocks = UniformBlocks(16)
+>>> ledger = Ledger(blocks)
+>>> p = project_counts((64,), requested_max_tokens=64, n=1, max_model_len=1024, blocks=blocks)
+>>> r = ledger.reserve(p, streamed=True); ledger.start(r); ledger.advance(r, 60)
+>>> ledger.peak_with(ledger.candidate(p, streamed=True))  # 8 + 5 as the old one ends
+13
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from sidecar.kv.blocks import BlockMath
+from sidecar.kv.prefix import BlockHashes
+from sidecar.kv.projection import Projection
+from sidecar.kv.trajectory import Arrays, IntArray, _blocks, _profile
+
+
+class Reservation(Protocol):
+    """What the columns read of a ``sidecar.kv.ledger.Reservation``."""
+
+    projection: Projection
+    prefix: tuple[BlockHashes, ...] | None
+    started: bool
+    generated: float
+    rows: list[int]
+
+    def end(self, i: int) -> int: ...
+
+#: an unstarted sequence's remaining steps in the prefix-owner order: it may never be freed
+_FOREVER = math.inf
+
+
+class Rows:
+    """Dense numpy columns, one row per (reservation, prompt); removal moves the last row into
+    the hole, so that the columns stay contiguous."""
+
+    __slots__ = (
+        "done",
+        "end",
+        "max_end",
+        "n",
+        "nhash",
+        "owner",
+        "prefixed",
+        "prompt",
+        "started",
+        "weight",
+    )
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.n = 0
+        self.prompt = np.zeros(capacity, dtype=np.int64)
+        self.done = np.zeros(capacity, dtype=np.int64)  # int(generated) per sequence
+        self.end = np.zeros(capacity, dtype=np.int64)  # the reserved end (res.end(i))
+        self.max_end = np.zeros(capacity, dtype=np.int64)  # max_tokens
+        self.weight = np.zeros(capacity, dtype=np.int64)  # sequences (n)
+        self.nhash = np.zeros(capacity, dtype=np.int64)  # full prompt blocks with a chain hash
+        self.started = np.zeros(capacity, dtype=bool)
+        self.owner: list[tuple[Reservation, int]] = []
+        self.prefixed = 0  # rows with chain hashes (prefix sharing to work out)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _grow(self) -> None:
+        size = 2 * len(self.prompt)
+        for name in ("prompt", "done", "end", "max_end", "weight", "nhash", "started"):
+            old = getattr(self, name)
+            new = np.zeros(size, dtype=old.dtype)
+            new[: self.n] = old[: self.n]
+            setattr(self, name, new)
+
+    def add(self, res: Reservation, hashed: bool) -> None:
+        """Rows for every prompt of ``res`` (not started); their indices go to ``res.rows``."""
+        p = res.projection
+        res.rows = []
+        for i, prompt in enumerate(p.prompt_tokens):
+            if self.n == len(self.prompt):
+                self._grow()
+            r = self.n
+            self.n += 1
+            self.prompt[r] = prompt
+            self.done[r] = int(res.generated)
+            self.end[r] = res.end(i)
+            self.max_end[r] = p.max_tokens[i]
+            self.weight[r] = p.n
+            hashes = len(res.prefix[i]) if hashed and res.prefix is not None else 0
+            self.nhash[r] = hashes
+            self.prefixed += hashes > 0
+            self.started[r] = res.started
+            self.owner.append((res, i))
+            res.rows.append(r)
+
+    def update(self, res: Reservation) -> None:
+        """``res`` started or advanced: its rows' progress, started flag and reserved end."""
+        done = int(res.generated)
+        for i, r in enumerate(res.rows):
+            self.done[r] = done
+            self.end[r] = res.end(i)
+            self.started[r] = res.started
+
+    def remove(self, res: Reservation) -> None:
+        for r in sorted(res.rows, reverse=True):
+            self.prefixed -= self.nhash[r] > 0
+            last = self.n - 1
+            if r != last:
+                for name in ("prompt", "done", "end", "max_end", "weight", "nhash", "started"):
+                    column = getattr(self, name)
+                    column[r] = column[last]
+                moved, i = self.owner[last]
+                self.owner[r] = self.owner[last]
+                moved.rows[i] = r
+            self.owner.pop()
+            self.n = last
+        res.rows = []
+
+    # --- the profile ------------------------------------------------------------------------
+
+    def profile(self, blocks: BlockMath, *, worst_case: bool, share: bool) -> Profile:
+        """The demand profile of every row (``worst_case``: each to its ``max_tokens``);
+        ``share``: vLLM's prefix cache holds shared full prompt blocks once."""
+        n = self.n
+        end = (self.max_end if worst_case else self.end)[:n]
+        done = np.minimum(self.done[:n], end)
+        prompt, weight, started = self.prompt[:n], self.weight[:n], self.started[:n]
+        owners: dict[int, float] | None = None
+        wshared = np.zeros(n, dtype=np.int64)
+        if share and all(cap is None for cap in blocks.group_caps):
+            owners = {}
+            if self.prefixed:
+                wshared = self._shared(end - done, owners)
+        waiting = ~started
+        arrays: Arrays = (
+            prompt[started] + done[started],
+            end[started] - done[started],
+            weight[started],
+            wshared[started],
+            prompt[waiting],
+            end[waiting],
+            weight[waiting],
+            wshared[waiting],
+        )
+        steps, values = _profile(arrays, blocks)
+        return Profile(steps, values, owners)
+
+    def shared_started(self) -> int:
+        """Prompt blocks that the started sequences hold once for several of them (their
+        ``weight x shared`` summed, owners among the started ones only)."""
+        if not self.prefixed:
+            return 0
+        n = self.n
+        left = self.end[:n] - np.minimum(self.done[:n], self.end[:n])
+        return int(self._shared(left, {}, only=self.started[:n]).sum())
+
+    def _shared(
+        self, left: IntArray, owners: dict[int, float], only: npt.NDArray[np.bool_] | None = None
+    ) -> IntArray:
+        """``weight x shared`` per row, and ``owners``: each shared chain hash's owner's
+        remaining steps (the longest-lived holder; unstarted holders live forever). ``only``:
+        the rows to count (the others neither hold nor share)."""
+        rows: list[tuple[int, tuple[int, ...], float]] = []
+        started = self.started
+        holder: dict[int, int] = {}
+        hashed = self.nhash[: self.n] > 0
+        if only is not None:
+            hashed &= only
+        for r in np.flatnonzero(hashed).tolist():
+            res, i = self.owner[r]
+            assert res.prefix is not None
+            hashes = res.prefix[i]
+            life = float(left[r]) if started[r] else _FOREVER
+            rows.append((r, hashes, life))
+            for h in hashes:
+                seen = owners.get(h)
+                if seen is None or life > seen:
+                    owners[h] = life
+                    holder[h] = r
+        wshared = np.zeros(self.n, dtype=np.int64)
+        for r, hashes, _ in rows:
+            elsewhere = sum(1 for h in hashes if holder[h] != r)
+            wshared[r] = elsewhere + (int(self.weight[r]) - 1) * len(hashes)
+        return wshared
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """The demand at each end of a started sequence (``steps``; -1 last: after every end), and
+    each shared chain hash's owner's remaining steps (None: no prefix sharing counted)."""
+
+    steps: IntArray
+    values: IntArray
+    owners: dict[int, float] | None
+
+    @property
+    def peak(self) -> int:
+        return int(self.values.max()) if len(self.values) else 0
+
+    def peak_with(
+        self, candidates: Iterable[Reservation], blocks: BlockMath, *, worst_case: bool = False
+    ) -> int:
+        """The peak with ``candidates`` added, unstarted (uncapped geometry only)."""
+        total = self.values.copy()
+        steps = self.steps[:-1]
+        held: dict[int, float] = {}  # hashes the candidates before this one hold, forever
+        for cand in candidates:
+            p = cand.projection
+            for i, prompt in enumerate(p.prompt_tokens):
+                end = p.max_tokens[i] if worst_case else cand.end(i)
+                tokens = np.append(prompt + np.minimum(steps, end), prompt + end)
+                total += p.n * _blocks(tokens, blocks)
+                if self.owners is None or cand.prefix is None:
+                    continue
+                hashes = cand.prefix[i]
+                total -= (p.n - 1) * len(hashes)
+                # held already while the longest-lived holder runs (after every end: only by
+                # unstarted ones); a hash chain's holders only thin out along it
+                lives = np.array(
+                    [held.get(h, self.owners.get(h, -1.0)) for h in hashes], dtype=np.float64
+                )
+                if len(lives):
+                    lives.sort()
+                    alive = len(lives) - np.searchsorted(lives, steps, side="left")
+                    forever = len(lives) - np.searchsorted(lives, _FOREVER, side="left")
+                    total -= np.append(alive, forever).astype(np.int64)
+                for h in hashes:
+                    held[h] = _FOREVER
+        return int(total.max()) if len(total) else 0

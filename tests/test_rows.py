@@ -1,0 +1,129 @@
+"""The ledger's kept columns (sidecar/kv/rows.py) give exactly the peak that laying out every
+trajectory gives (sidecar/kv/trajectory.py over Ledger.trajectories), through every change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.ledger import Ledger, Reservation
+from sidecar.kv.projection import project_counts
+from sidecar.kv.trajectory import future_peak
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Block math with several KV-cache groups (a cap: a sliding-window group)."""
+
+    block_size: int
+    group_caps: tuple[int | None, ...]
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        if num_tokens <= 0:
+            return 0
+        pages = -(-num_tokens // self.block_size)
+        return sum(pages if cap is None else min(pages, cap) for cap in self.group_caps)
+
+
+#: chain hashes: a prompt's full blocks are a prefix of one of these chains (shared prefixes)
+CHAINS = [tuple(range(1000 * c, 1000 * c + 40)) for c in range(3)]
+
+request = st.fixed_dictionaries(
+    {
+        "prompts": st.lists(st.integers(1, 300), min_size=1, max_size=3),
+        "max_tokens": st.integers(1, 200),
+        "end": st.integers(1, 200),
+        "n": st.integers(1, 3),
+        "chain": st.sampled_from([None, 0, 1, 2]),
+        "generated": st.floats(0, 260),
+        "state": st.sampled_from(["queued", "started", "released"]),
+    }
+)
+
+
+def _reserve(ledger: Ledger, spec: dict, size: int, *, candidate: bool = False) -> Reservation:
+    blocks = ledger.blocks
+    p = project_counts(
+        tuple(spec["prompts"]),
+        requested_max_tokens=spec["max_tokens"],
+        n=spec["n"],
+        max_model_len=4096,
+        blocks=blocks,
+    )
+    prefix = None
+    if spec["chain"] is not None:
+        prefix = tuple(CHAINS[spec["chain"]][: t // size] for t in spec["prompts"])
+    ends = [min(spec["end"], m) for m in p.max_tokens]
+    if candidate:
+        return ledger.candidate(p, streamed=True, ends=ends, prefix=prefix)
+    return ledger.reserve(p, streamed=True, ends=ends, prefix=prefix)
+
+
+def _laid_out(ledger: Ledger, *extra: Reservation, worst_case: bool = False) -> int:
+    return future_peak(ledger.trajectories(extra, worst_case=worst_case), ledger.blocks)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(request, max_size=10),
+    st.lists(request, max_size=3),
+    st.sampled_from([1, 4, 16]),
+    st.sampled_from([(None,), (None, None), (None, 3)]),
+    st.booleans(),
+)
+def test_the_kept_columns_give_the_laid_out_peak(
+    specs: list[dict],
+    candidates: list[dict],
+    size: int,
+    caps: tuple[int | None, ...],
+    share: bool,
+) -> None:
+    blocks = UniformBlocks(size) if caps == (None,) else Groups(size, caps)
+    ledger = Ledger(blocks, share_prefixes=share)
+    held = []
+    for spec in specs:
+        res = _reserve(ledger, spec, size)
+        held.append(res)
+        # compare after every change too: the kept profile must follow it
+        assert ledger.peak_with() == _laid_out(ledger)
+        if spec["state"] != "queued":
+            ledger.start(res)
+            ledger.advance(res, spec["generated"])
+        if spec["state"] == "released":
+            ledger.release(res)
+    cands = [_reserve(ledger, c, size, candidate=True) for c in candidates]
+    shared_now = ledger.trajectories(started_only=True).shared_total() if share else 0
+    assert ledger.shared_blocks_now() == shared_now
+    assert ledger.started_sequences == sum(r.projection.sequences for r in ledger if r.started)
+    for worst_case in (False, True):
+        assert ledger.peak_with(worst_case=worst_case) == _laid_out(ledger, worst_case=worst_case)
+        assert ledger.peak_with(*cands, worst_case=worst_case) == _laid_out(
+            ledger, *cands, worst_case=worst_case
+        )
+    # and once more after everything in flight advances (one profile per ledger version)
+    for res in held:
+        ledger.advance(res, res.generated + 17)
+    assert ledger.peak_with(*cands) == _laid_out(ledger, *cands)
+    for res in held:
+        ledger.release(res)
+    assert ledger.peak_with() == 0
+    assert len(ledger._rows) == 0
+
+
+def test_the_profile_is_kept_until_the_ledger_changes() -> None:
+    blocks = UniformBlocks(16)
+    ledger = Ledger(blocks)
+    p = project_counts((64,), requested_max_tokens=64, n=1, max_model_len=1024, blocks=blocks)
+    r = ledger.reserve(p, streamed=True)
+    first = ledger.profile()
+    assert ledger.profile() is first
+    ledger.start(r)
+    started = ledger.profile()
+    assert started is not first
+    ledger.advance(r, 0.5)  # not a whole token: no change to any trajectory
+    assert ledger.profile() is started
+    ledger.advance(r, 1.0)
+    assert ledger.profile() is not started
