@@ -21,6 +21,7 @@ from prometheus_client.exposition import generate_latest
 
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
+from sidecar.config import Policy
 from sidecar.engine.discovery import EngineConfig
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
@@ -62,7 +63,7 @@ def snapshot(num_gpu_blocks: int = 1_000_000, usage: float = 0.4) -> EngineSnaps
 
 
 def loaded_controller() -> AdmissionController:
-    ac = AdmissionController(Ledger(BLOCKS), policy="queue", headroom=0.05, stale_after=3600)
+    ac = AdmissionController(Ledger(BLOCKS), policy=Policy.queue, headroom=0.05, stale_after=3600)
     ac.on_snapshot(snapshot())
     for i in range(IN_FLIGHT):
         p = project_counts(
@@ -139,6 +140,26 @@ def bench_decision_near_capacity_changed() -> list[float]:
         _decide_near_capacity(ac)
 
     return per_call(decide, repeat=7, number=200)
+
+
+def bench_refusal() -> list[float]:
+    """A refusal near capacity under ``--policy reject`` with a measured decode step: the
+    Retry-After slot searched over the trajectories (sidecar/admission/retry.py). Each refusal
+    books its slot, as in a burst; the bookings are cleared every 50 refusals."""
+    ac = _near_capacity()
+    ac.policy = Policy.reject
+    ac.pools[0].view.seconds_per_step = 0.03
+    turn = [0]
+
+    def refuse() -> None:
+        turn[0] += 1
+        if turn[0] % 50 == 0:
+            ac.pools[0].retry._bookings.clear()
+        p = project_counts((731,), requested_max_tokens=512, n=1, max_model_len=8192, blocks=BLOCKS)
+        d = ac.try_admit(Ask(p, streamed=True))
+        assert d is not None and d.reservation is None
+
+    return per_call(refuse, repeat=7, number=50)
 
 
 def bench_advance() -> list[float]:

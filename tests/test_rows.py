@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import project_counts
-from sidecar.kv.trajectory import future_peak
+from sidecar.kv.trajectory import Trajectory, future_peak
 
 
 @dataclass(frozen=True)
@@ -127,3 +127,112 @@ def test_the_profile_is_kept_until_the_ledger_changes() -> None:
     assert ledger.profile() is started
     ledger.advance(r, 1.0)
     assert ledger.profile() is not started
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(request, max_size=10),
+    st.lists(request, max_size=3),
+    st.sampled_from([1, 16]),
+    st.sampled_from([None, 40, 150]),
+    st.integers(5, 200),
+)
+def test_retry_columns_give_the_laid_out_slot(
+    specs: list[dict], ahead: list[dict], size: int, likely: int | None, budget: int
+) -> None:
+    """Retry-After's columns from the kept rows: the same slot as the laid-out trajectories
+    (without shared prefixes, where the two count alike; with them the kept rows count the
+    queued requests' shared blocks only among themselves, an upper bound)."""
+    from sidecar.kv.ledger import likely_end
+    from sidecar.kv.trajectory import steps_until_fits
+
+    blocks = UniformBlocks(size)
+    ledger = Ledger(blocks, share_prefixes=False)
+    for spec in specs:
+        res = _reserve(ledger, spec, size)
+        if spec["state"] != "queued":
+            ledger.start(res)
+            ledger.advance(res, spec["generated"])
+        if spec["state"] == "released":
+            ledger.release(res)
+    queued = [_reserve(ledger, c, size, candidate=True) for c in ahead]
+    cand = (
+        _reserve(
+            ledger, {**specs[0], "state": "queued"} if specs else ahead[0], size, candidate=True
+        )
+        if specs or ahead
+        else None
+    )
+    if cand is None:
+        return
+    rule = (lambda klass: likely) if likely is not None else None
+    ends = likely_end(rule) if rule is not None else None
+    own = ledger.trajectories([cand], in_flight=False, likely_end=ends)
+    laid_out = ledger.trajectories(queued, likely_end=ends)
+    kept = ledger.retry_columns(queued, rule)
+
+    def rows(columns) -> list[tuple[int, ...]]:
+        held, left, weight, wshared, prompt, end, w_weight, w_wshared = columns.arrays()
+        started = sorted(zip(held, left, columns.gone, weight, wshared, strict=True))
+        waiting = sorted(zip(prompt, end, w_weight, w_wshared, strict=True))
+        return [tuple(int(x) for x in r) for r in started + waiting]
+
+    assert rows(kept) == rows(laid_out)
+    assert steps_until_fits(kept, own, budget, blocks) == steps_until_fits(
+        laid_out, own, budget, blocks
+    )
+
+
+trajectory = st.builds(
+    Trajectory,
+    prompt_tokens=st.integers(0, 300),
+    generated=st.integers(0, 200),
+    end=st.integers(0, 200),
+    started=st.booleans(),
+    sequences=st.integers(1, 3),
+    shared_blocks=st.integers(0, 2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(trajectory, max_size=12),
+    st.lists(trajectory, min_size=1, max_size=2),
+    st.sampled_from([1, 4, 16]),
+    st.integers(0, 120),
+)
+def test_starts_passed_over_by_their_demand_at_the_start_could_not_fit(
+    others: list[Trajectory], candidate: list[Trajectory], size: int, budget: int
+) -> None:
+    """steps_until_fits skips, for full attention, the starts where the demand at the start
+    alone is over the budget: the slot is the one a search that lays out every start finds
+    (the same geometry with a cap no request reaches takes that path)."""
+    from sidecar.kv.trajectory import steps_until_fits
+
+    unstarted = [Trajectory(c.prompt_tokens, 0, c.end, False, c.sequences) for c in candidate]
+    pruned = steps_until_fits(others, unstarted, budget, UniformBlocks(size))
+    plain = steps_until_fits(others, unstarted, budget, Groups(size, (10**9,)))
+    assert pruned == plain
+
+
+def test_retry_columns_take_the_likely_end() -> None:
+    """A started answer of its class's likely length 40 that has 50 tokens is taken to end at
+    twice that (100), within its reserved 180; one of another class with no likely length runs
+    to its reserved end; a queued one is never taken as gone."""
+    blocks = UniformBlocks(16)
+    ledger = Ledger(blocks, share_prefixes=False)
+    p = project_counts((100,), requested_max_tokens=200, n=1, max_model_len=4096, blocks=blocks)
+    past = ledger.reserve(p, streamed=True, ends=[180], klass="chat")
+    ledger.start(past)
+    ledger.advance(past, 50)
+    unknown = ledger.reserve(p, streamed=True, ends=[180], klass="new")
+    ledger.start(unknown)
+    ledger.advance(unknown, 10)
+    ledger.reserve(p, streamed=True, ends=[180], klass="chat")  # queued
+    kept = ledger.retry_columns([], {"chat": 40}.get)
+    held, left, *_, prompt, end, _, _ = kept.arrays()
+    assert sorted(zip(held.tolist(), left.tolist(), kept.gone.tolist(), strict=True)) == [
+        (110, 170, 170),
+        (150, 130, 50),
+    ]
+    assert (prompt.tolist(), end.tolist()) == ([100], [180])

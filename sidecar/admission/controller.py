@@ -533,18 +533,8 @@ class AdmissionController:
             fallback=lambda: self._release_rate_estimate(pool, candidate, ahead),
             book=book,
             key=ask.key,
-            likely_end=self._likely_end,
+            likely=self.learner.likely,
         )
-
-    def _likely_end(self, res: Reservation, i: int) -> int:
-        """Where request ``res``'s sequence ``i`` likely ends: its class's likely length, or
-        twice what it has generated once past that, within its reservation."""
-        reserved = res.end(i)
-        likely = self.learner.likely(res.klass)
-        if likely is None:
-            return reserved
-        generated = int(res.generated)
-        return min(reserved, likely if generated < likely else 2 * generated)
 
     def _release_rate_estimate(
         self, pool: Pool, candidate: Reservation, ahead: list[Reservation]

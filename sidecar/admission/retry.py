@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sidecar.kv.ledger import Ledger, Reservation
+from sidecar.kv.ledger import Ledger, Reservation, likely_end
 from sidecar.kv.trajectory import Columns, steps_until_fits
 
 MIN_RETRY_AFTER = 1.0
@@ -95,25 +95,28 @@ class RetryPlanner:
         fallback: Callable[[], float],
         book: bool = True,
         key: int | None = None,
-        likely_end: Callable[[Reservation, int], int] | None = None,
+        likely: Callable[[str], int | None] | None = None,
     ) -> float:
         """Seconds until ``candidate`` would fit, after ``ahead`` (queued before it) and the
         requests refused before it; books that slot (unless ``book`` is False: a what-if, for
         choosing among several engines' pools). ``key``: the request's fingerprint; a booking it
-        already had is its own, not another request's, and is replaced. ``likely_end``: where
-        a request in flight will likely end (else at its reservation's end)."""
+        already had is its own, not another request's, and is replaced. ``likely``: a request
+        class's likely answer length (a request in flight is then taken to end there, or at
+        twice what it has once past it, within its reservation; else at its reservation's end)."""
         if book and key is not None:
             self._forget(key)
         if budget_blocks is None or seconds_per_step is None or seconds_per_step <= 0:
             return _clamp(fallback())
         now = self._clock()
-        others = self.ledger.trajectories(ahead, likely_end=likely_end)
+        others = self.ledger.retry_columns(ahead, likely)
         for booking in self._live():
             if key is not None and booking.key == key:
                 continue  # its own earlier slot (a what-if leaves it booked)
             steps_to_slot = max(0, round((booking.slot_at - now) / seconds_per_step))
             others.add_delayed(booking.trajectories, steps_to_slot)
-        own = self.ledger.trajectories([candidate], in_flight=False, likely_end=likely_end)
+        own = self.ledger.trajectories(
+            [candidate], in_flight=False, likely_end=None if likely is None else likely_end(likely)
+        )
         steps = steps_until_fits(others, own, budget_blocks - external_blocks, self.ledger.blocks)
         if steps is None:
             return _clamp(fallback())

@@ -32,11 +32,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from sidecar.kv.blocks import BlockMath
 from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
 from sidecar.kv.rows import Profile, Rows
-from sidecar.kv.trajectory import Columns, future_peak
+from sidecar.kv.trajectory import ArrayColumns, Columns, future_peak
 
 _NEVER = math.inf  # the remaining steps of a sequence not started yet: it may start any time
 
@@ -79,6 +81,21 @@ class Reservation:
         if done >= end:
             end = min(limit, max(end, 2 * done))
         return end
+
+
+def likely_end(likely: Callable[[str], int | None]) -> Callable[[Reservation, int], int]:
+    """Where a request's sequence ``i`` likely ends: its class's ``likely`` length, or twice what
+    it has generated once past that, within its reserved end."""
+
+    def end(res: Reservation, i: int) -> int:
+        reserved = res.end(i)
+        length = likely(res.klass)
+        if length is None:
+            return reserved
+        generated = int(res.generated)
+        return min(reserved, length if generated < length else 2 * generated)
+
+    return end
 
 
 class Ledger:
@@ -249,6 +266,37 @@ class Ledger:
         profile = self._rows.profile(self.blocks, worst_case=worst_case, share=self.share_prefixes)
         self._profiles[worst_case] = (self.version, profile)
         return profile
+
+    def retry_columns(
+        self, extra: Sequence[Reservation], likely: Callable[[str], int | None] | None
+    ) -> Columns | ArrayColumns:
+        """:meth:`trajectories` of the requests in flight and ``extra`` (queued ahead of a
+        refused request) for Retry-After, with ``likely_end`` from a class's ``likely`` length
+        (``sidecar.admission.learner``), from the kept columns. ``extra`` count their shared
+        prompt blocks only among themselves (an upper bound where they share with requests in
+        flight)."""
+        ends = None if likely is None else likely_end(likely)
+        if not self._uncapped:
+            return self.trajectories(extra, likely_end=ends)
+        arrays, gone = self._rows.retry_arrays(self.blocks, likely, share=self.share_prefixes)
+        if not extra:
+            return ArrayColumns(arrays, gone)
+        queued = self.trajectories(extra, in_flight=False, likely_end=ends)
+        held, left, weight, wshared, prompt, end, w_weight, w_wshared = arrays
+        _, _, _, _, q_prompt, q_end, q_weight, q_wshared = queued.arrays()
+        return ArrayColumns(
+            (
+                held,
+                left,
+                weight,
+                wshared,
+                np.concatenate([prompt, q_prompt]),
+                np.concatenate([end, q_end]),
+                np.concatenate([w_weight, q_weight]),
+                np.concatenate([w_wshared, q_wshared]),
+            ),
+            gone,
+        )
 
     def peak_with(self, *extra: Reservation, worst_case: bool = False) -> int:
         """The most blocks the requests in flight and ``extra`` (candidates, not started) can

@@ -27,7 +27,7 @@ sequences still alive then. Adding candidates to a profile costs ``O(steps)``; b
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,14 +45,19 @@ class Reservation(Protocol):
 
     projection: Projection
     prefix: tuple[BlockHashes, ...] | None
+    klass: str
     started: bool
     generated: float
     rows: list[int]
 
     def end(self, i: int) -> int: ...
 
+
 #: an unstarted sequence's remaining steps in the prefix-owner order: it may never be freed
 _FOREVER = math.inf
+
+
+_COLUMNS = ("prompt", "done", "end", "max_end", "weight", "nhash", "started", "klass")
 
 
 class Rows:
@@ -60,8 +65,10 @@ class Rows:
     the hole, so that the columns stay contiguous."""
 
     __slots__ = (
+        "classes",
         "done",
         "end",
+        "klass",
         "max_end",
         "n",
         "nhash",
@@ -81,6 +88,8 @@ class Rows:
         self.weight = np.zeros(capacity, dtype=np.int64)  # sequences (n)
         self.nhash = np.zeros(capacity, dtype=np.int64)  # full prompt blocks with a chain hash
         self.started = np.zeros(capacity, dtype=bool)
+        self.klass = np.zeros(capacity, dtype=np.int64)  # the request class, in ``classes``
+        self.classes: dict[str, int] = {}
         self.owner: list[tuple[Reservation, int]] = []
         self.prefixed = 0  # rows with chain hashes (prefix sharing to work out)
 
@@ -89,7 +98,7 @@ class Rows:
 
     def _grow(self) -> None:
         size = 2 * len(self.prompt)
-        for name in ("prompt", "done", "end", "max_end", "weight", "nhash", "started"):
+        for name in _COLUMNS:
             old = getattr(self, name)
             new = np.zeros(size, dtype=old.dtype)
             new[: self.n] = old[: self.n]
@@ -113,6 +122,7 @@ class Rows:
             self.nhash[r] = hashes
             self.prefixed += hashes > 0
             self.started[r] = res.started
+            self.klass[r] = self.classes.setdefault(res.klass, len(self.classes))
             self.owner.append((res, i))
             res.rows.append(r)
 
@@ -129,7 +139,7 @@ class Rows:
             self.prefixed -= self.nhash[r] > 0
             last = self.n - 1
             if r != last:
-                for name in ("prompt", "done", "end", "max_end", "weight", "nhash", "started"):
+                for name in _COLUMNS:
                     column = getattr(self, name)
                     column[r] = column[last]
                 moved, i = self.owner[last]
@@ -167,6 +177,39 @@ class Rows:
         )
         steps, values = _profile(arrays, blocks)
         return Profile(steps, values, owners)
+
+    def retry_arrays(
+        self, blocks: BlockMath, likely: Callable[[str], int | None] | None, *, share: bool
+    ) -> tuple[Arrays, IntArray]:
+        """The rows as :meth:`sidecar.kv.ledger.Ledger.trajectories` lays them out for
+        Retry-After, with ``gone``: the steps until each started one likely ends (its class's
+        ``likely`` length, or twice what it has once past that, within its reserved end)."""
+        n = self.n
+        end, raw = self.end[:n], self.done[:n]
+        done = np.minimum(raw, end)
+        prompt, weight, started = self.prompt[:n], self.weight[:n], self.started[:n]
+        wshared = np.zeros(n, dtype=np.int64)
+        if share and self.prefixed and all(cap is None for cap in blocks.group_caps):
+            wshared = self._shared(end - done, {})
+        gone = end - done
+        if likely is not None and n:
+            known = [likely(k) for k in self.classes]
+            by_class = np.array([-1 if v is None else v for v in known], dtype=np.int64)
+            length = by_class[self.klass[:n]]
+            likely_end = np.where(raw < length, length, 2 * raw)
+            gone = np.where(length < 0, gone, np.maximum(0, np.minimum(end, likely_end) - done))
+        waiting = ~started
+        arrays: Arrays = (
+            prompt[started] + done[started],
+            end[started] - done[started],
+            weight[started],
+            wshared[started],
+            prompt[waiting],
+            end[waiting],
+            weight[waiting],
+            wshared[waiting],
+        )
+        return arrays, gone[started]
 
     def shared_started(self) -> int:
         """Prompt blocks that the started sequences hold once for several of them (their

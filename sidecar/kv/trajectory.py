@@ -170,8 +170,41 @@ class Columns:
         )
 
 
-def _columns(trajectories: Sequence[Trajectory] | Columns) -> Columns:
-    return trajectories if isinstance(trajectories, Columns) else Columns(trajectories)
+class ArrayColumns:
+    """:class:`Columns` already in numpy form (the ledger's kept rows give these), with the
+    same :meth:`arrays` and ``gone``; :meth:`add_delayed` appends as :class:`Columns` does."""
+
+    __slots__ = ("_arrays", "gone")
+
+    def __init__(self, arrays: Arrays, gone: IntArray) -> None:
+        self._arrays = arrays
+        self.gone = gone  # started: steps until each likely ends (<= left)
+
+    def __len__(self) -> int:
+        return len(self._arrays[0]) + len(self._arrays[4])
+
+    def arrays(self) -> Arrays:
+        return self._arrays
+
+    def add_delayed(self, other: Columns, steps: int) -> None:
+        """As :meth:`Columns.add_delayed`."""
+        held, left, weight, wshared, *waiting = self._arrays
+        _, _, _, _, prompt, end, w_weight, w_wshared = other.arrays()
+        gone = np.array(other.w_gone, dtype=np.int64)
+        self._arrays = (
+            np.concatenate([held, np.maximum(0, prompt - steps)]),
+            np.concatenate([left, end + steps]),
+            np.concatenate([weight, w_weight]),
+            np.concatenate([wshared, w_wshared]),
+            *waiting,
+        )  # type: ignore[assignment]
+        self.gone = np.concatenate([self.gone, gone + steps])
+
+
+def _columns(trajectories: Sequence[Trajectory] | Columns | ArrayColumns) -> Columns | ArrayColumns:
+    if isinstance(trajectories, Columns | ArrayColumns):
+        return trajectories
+    return Columns(trajectories)
 
 
 def demand_profile(
@@ -321,7 +354,7 @@ MAX_TRIED_STARTS = 48
 
 
 def steps_until_fits(
-    trajectories: Sequence[Trajectory] | Columns,
+    trajectories: Sequence[Trajectory] | Columns | ArrayColumns,
     candidate: Sequence[Trajectory] | Columns,
     budget_blocks: int,
     blocks: BlockMath,
@@ -352,6 +385,26 @@ def steps_until_fits(
     if len(starts) > MAX_TRIED_STARTS:
         picks = np.linspace(0, len(starts) - 1, MAX_TRIED_STARTS).round().astype(np.int64)
         starts = starts[np.unique(picks)]
+    if all(cap is None for cap in blocks.group_caps):
+        # the demand at the start itself bounds the peak from below: starts where even that
+        # is over the budget need no profile
+        size, groups = blocks.block_size, len(blocks.group_caps)
+        order = np.argsort(gone)
+        g, a, w = gone[order], held[order] + size - 1, weight[order]
+        cuts = np.searchsorted(g, starts, side="right")  # the sequences still running then
+        tq, tr = starts // size, starts % size
+        now = (
+            groups
+            * (
+                _suffix(w * (a // size))[cuts]
+                + tq * _suffix(w)[cuts]
+                + _suffix_residue_counts(a % size, w, cuts, size - tr, size)
+            )
+            - _suffix(wshared[order])[cuts]
+        )
+        w_prompt, _, w_w, w_ws = waiting
+        now += int((_blocks(w_prompt, blocks) * w_w - w_ws).sum())
+        starts = starts[now <= budget_blocks]
     for step in starts.tolist():
         keep = gone > step
         moved: Arrays = (
