@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             bench_decision_near_capacity_changed(),
             50e-6,
         ),
+        ("  near capacity, refused with Retry-After (`--policy reject`)", bench_refusal(), None),
         (
             "a request advances a token (the ledger's part of a relayed chunk)",
             bench_advance(),
