@@ -44,6 +44,7 @@ from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.observability import logs
 from sidecar.observability.exporter import Metrics
+from sidecar.observability.loop_lag import LoopLagMonitor
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import from_env as tracing_from_env
 
@@ -114,6 +115,7 @@ class Sidecar:
             },
             process_children=relays.supervisor.pids if relays is not None else None,
         )
+        self.loop_lag = LoopLagMonitor(self.metrics.event_loop_lag)
         self.owner: AdmissionOwner | None = None
         if relays is not None:
             self.owner = AdmissionOwner(
@@ -182,6 +184,7 @@ class Sidecar:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.metrics.event_loop_tasks.set_function(self.event_loop_tasks)
+        self.loop_lag.start()
         self.scraper.add_listener(self._on_snapshot)
         self.scraper.start()
         self.discovery.start()
@@ -216,6 +219,7 @@ class Sidecar:
                 await self.owner.stop()
             await self.discovery.stop()
             await self.health.stop()
+            await self.loop_lag.stop()
             await self.scraper.stop()
             if self.lengths is not None:
                 await self.lengths.stop()  # the last write

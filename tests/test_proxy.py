@@ -620,6 +620,21 @@ async def test_event_loop_tasks_are_exported_and_return_to_rest(upstream: FakeSe
         assert stack.sample("kv_sidecar_event_loop_tasks") <= rest
 
 
+async def test_a_blocked_event_loop_shows_in_the_lag_histogram(upstream: FakeServer) -> None:
+    """The loop-lag probe (a timer every 100 ms) sees a call that holds the loop 500 ms: one
+    observation over 250 ms; before it, none over 250 ms."""
+    async with run_sidecar(upstream) as stack:
+        name = "kv_sidecar_event_loop_lag_seconds"
+
+        def over_250ms() -> float:
+            return stack.sample(f"{name}_count") - stack.sample(f"{name}_bucket", le="0.25")
+
+        await eventually(lambda: stack.sample(f"{name}_count") >= 2, "two probes", within=5)
+        assert over_250ms() == 0
+        time.sleep(0.5)  # noqa: ASYNC251 - holds the loop on purpose: the sidecar runs on it
+        await eventually(lambda: over_250ms() == 1, "the lag seen", within=5)
+
+
 async def test_one_failed_scrape_does_not_drop_readiness_stale_data_does(
     upstream: FakeServer,
 ) -> None:

@@ -30,6 +30,7 @@ from sidecar.engine.discovery import EngineConfig
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.projection import Projection
 from sidecar.observability.cpu import CpuLimitCollector
+from sidecar.observability.loop_lag import LAG_BUCKETS
 from sidecar.observability.process_tree import ProcessTreeCollector
 
 PREFIX = "kv_sidecar"
@@ -76,6 +77,13 @@ class Metrics:
         self.event_loop_tasks = Gauge(
             f"{PREFIX}_event_loop_tasks",
             "asyncio tasks alive on the sidecar's event loop (steady at rest; a leak grows it).",
+            registry=registry,
+        )
+        self.event_loop_lag = Histogram(
+            f"{PREFIX}_event_loop_lag_seconds",
+            "How late the sidecar's event loop ran a timer due every 100 ms (work that blocks "
+            "the loop, or more than the CPU gives, delays every request by as much).",
+            buckets=LAG_BUCKETS,
             registry=registry,
         )
         self.requests = Counter(
