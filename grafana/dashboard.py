@@ -746,6 +746,23 @@ def _health_row() -> list[PanelBuilder]:
             min_value=0,
             threshold_line=CPU_SATURATION_SHARE,
         ),
+        timeseries_panel(
+            "Sidecar event-loop lag (p99)",
+            "How late the sidecar's event loop ran a timer due every 100 ms "
+            "(kv_sidecar_event_loop_lag_seconds; the owner's loop with relay workers), p99 over "
+            "the rate window. Every request's next step waits as long: a few ms at most on a "
+            "healthy sidecar; more when it is CPU-bound (see the CPU panel) or a call blocks it.",
+            "s",
+            [
+                Query(
+                    duration(0.99, sidecar("kv_sidecar_event_loop_lag_seconds_bucket"), ("pod",)),
+                    "{{pod}}",
+                )
+            ],
+            width=6,
+            min_value=0,
+            no_data="no probe in the window: the sidecar is not running",
+        ),
     ]
 
 
