@@ -22,6 +22,13 @@ What it owns:
 - :func:`memory_budget`: the KV-cache memory vLLM's GPU worker finds at startup:
   ``ceil(total x utilization) - weights - peak activations - non-torch/CUDA-graph memory``.
 
+- :class:`StepClock`: paces the steps in real time, ``time_scale`` wall seconds per simulated
+  second (time dilation, ``KV_SIDECAR_SIM_TIME_SCALE``: a host CPU too slow for the engine's
+  pace at hundreds of sequences gets ``time_scale`` times longer per step), hides the engine's
+  own CPU time between two steps behind the previous step, and counts what it could not hide
+  (``cpu_lag_seconds``). Its only I/O is the clock it is given (``time.monotonic`` and
+  ``time.sleep`` unless a test passes others).
+
 Every efficiency is a named constant below with its source; none is calibrated on a GPU yet.
 
 >>> m = ModelShape.from_config({"hidden_size": 4096, "num_hidden_layers": 32,
@@ -34,7 +41,8 @@ Every efficiency is a named constant below with its source; none is calibrated o
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -416,3 +424,74 @@ def memory_budget(
         activation_bytes=max_num_batched_tokens * per_token + logits,
         other_bytes=NON_TORCH_AND_CUDA_GRAPH_BYTES,
     )
+
+
+# --- pacing steps in real time --------------------------------------------------------------
+
+#: The environment variable the simulated executor reads its time scale from.
+ENV_TIME_SCALE = "KV_SIDECAR_SIM_TIME_SCALE"
+
+
+def parse_time_scale(value: str | float | None) -> float:
+    """A time scale (wall seconds per simulated second): a positive finite number; empty or
+    ``None`` is 1 (real time)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return 1.0
+    try:
+        scale = float(value)
+    except ValueError:
+        raise ValueError(f"time scale must be a number, got {value!r}") from None
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"time scale must be positive and finite, got {value!r}")
+    return scale
+
+
+class StepClock:
+    """Real time for simulated steps: each step of ``seconds`` simulated seconds ends
+    ``seconds x time_scale`` wall seconds after it could start.
+
+    A step "could start" when the previous one ended, as long as the engine's own CPU work in
+    between (output processing, scheduling: the time from the previous step's end to this
+    step's arrival) fits in the previous step's wall time; vLLM's async scheduling hides it so
+    on a GPU, and the CPU platform turns async scheduling off. What does not fit is this
+    machine's CPU setting the clock: counted in ``cpu_lag_seconds`` (wall seconds) when the
+    engine was busy across the gap (``busy``: some request went on after the previous step).
+
+    With ``time_scale`` X the whole engine runs X times slower than the simulated GPU, so that
+    X times more CPU time fits between two steps; a client's wall durations divided by X are
+    simulated GPU seconds (``cpu_lag_seconds / X`` is the lag in those terms).
+    """
+
+    def __init__(
+        self,
+        time_scale: float = 1.0,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.time_scale = parse_time_scale(time_scale)
+        self._monotonic = monotonic
+        self._sleep = sleep
+        self.cpu_lag_seconds = 0.0
+        self._prev_end = 0.0
+        self._prev_wall = 0.0
+
+    def set_time_scale(self, time_scale: float | str) -> None:
+        self.time_scale = parse_time_scale(time_scale)
+
+    def pace(self, arrived: float, seconds: float, *, busy: bool) -> float:
+        """Sleep until the step that arrived at ``arrived`` (this clock's ``monotonic``) and
+        takes ``seconds`` simulated seconds is over; the wall seconds it was given."""
+        wall = seconds * self.time_scale
+        gap = arrived - self._prev_end
+        hidden = min(max(gap, 0.0), self._prev_wall)
+        end = arrived - hidden + wall
+        now = self._monotonic()
+        if end > now:
+            self._sleep(end - now)
+        actual_end = max(end, now)
+        if busy:  # a GPU would have started this step as the previous one ended
+            self.cpu_lag_seconds += max(0.0, actual_end - (self._prev_end + wall))
+        self._prev_end = actual_end
+        self._prev_wall = wall
+        return wall

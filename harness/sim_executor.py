@@ -31,17 +31,25 @@ them):
     KV_SIDECAR_SIM_CONTROL   host:port for the control channel (any mode; required by manual);
                              data-parallel engine i listens on port + i
     KV_SIDECAR_SIM_TOKEN_ID  the token id emitted for every generated token but EOS
+    KV_SIDECAR_SIM_TIME_SCALE
+                             wall seconds per simulated second, default 1: every step sleeps
+                             this many times its cost (roofline or fixed), so that the host's
+                             CPU has that much more time per step; simulated_seconds stay in
+                             GPU seconds (harness.sim_cost.StepClock)
 
 The control channel is plain HTTP with JSON answers:
 
     GET  /state              {"steps", "granted", "waiting", "mode", "gpu", "simulated_seconds",
-                              "cpu_lag_seconds", "last_step": {...}}  (waiting: a batch is
-                              scheduled and blocked; cpu_lag_seconds: see SimEngine)
+                              "time_scale", "cpu_lag_seconds", "cpu_lag_simulated_seconds",
+                              "last_step": {...}}  (waiting: a batch is scheduled and blocked;
+                              cpu_lag_seconds: see SimEngine)
     POST /step {"n": N, "timeout": S}
                              grant N steps; answers once they have run (or at the timeout) with
                              the state and "done": true/false (manual mode only: 409 otherwise)
-    POST /mode {"mode": M}   switch the step mode at run time (roofline, manual or seconds);
-                             leaving manual releases a step waiting for its grant
+    POST /mode {"mode": M, "time_scale": X}
+                             switch the step mode at run time (roofline, manual or seconds;
+                             leaving manual releases a step waiting for its grant) and/or the
+                             time scale (either key may be left out, not both)
 """
 
 from __future__ import annotations
@@ -80,6 +88,7 @@ ENV_GPU = "KV_SIDECAR_SIM_GPU"
 ENV_STEP = "KV_SIDECAR_SIM_STEP"
 ENV_CONTROL = "KV_SIDECAR_SIM_CONTROL"
 ENV_TOKEN = "KV_SIDECAR_SIM_TOKEN_ID"
+ENV_TIME_SCALE = sim_cost.ENV_TIME_SCALE
 #: The key in a request's sampling ``extra_args`` (OpenAI ``vllm_xargs``) giving its length.
 OUTPUT_TOKENS_KEY = "sim_output_tokens"
 DEFAULT_TOKEN_ID = 100
@@ -207,13 +216,12 @@ class SimEngine:
         self.seqs: dict[str, _Seq] = {}
         self.simulated_seconds = 0.0
         self.last_step: StepRecord | None = None
-        self._prev_end = 0.0
-        self._prev_cost = 0.0
-        #: wall seconds by which busy steps ended later than the simulated GPU would have
-        #: finished them: the engine's own CPU work (scheduling, output processing, the HTTP
-        #: server) that the previous step could not hide. Small against simulated_seconds
-        #: means the clock is the cost model's; large means this machine's CPU is the limit.
-        self.cpu_lag_seconds = 0.0
+        #: paces the steps; its cpu_lag_seconds are the wall seconds by which busy steps ended
+        #: later than the simulated GPU (dilated by the time scale) would have finished them:
+        #: the engine's own CPU work (scheduling, output processing) that the previous step
+        #: could not hide. Small against time_scale x simulated_seconds means the clock is the
+        #: cost model's; large means this machine's CPU is the limit.
+        self.clock = sim_cost.StepClock(sim_cost.parse_time_scale(os.environ.get(ENV_TIME_SCALE)))
         self._control: ThreadingHTTPServer | None = None
         control = os.environ.get(ENV_CONTROL, "")
         if control:
@@ -224,6 +232,14 @@ class SimEngine:
             self._control = _serve_control(self, f"{host}:{int(port) + rank}")
         elif self.mode == "manual":
             raise ValueError(f"{ENV_STEP}=manual needs {ENV_CONTROL}=host:port")
+
+    @property
+    def cpu_lag_seconds(self) -> float:
+        return self.clock.cpu_lag_seconds
+
+    def set_time_scale(self, scale: float | str) -> None:
+        self.clock.set_time_scale(scale)
+        self._busy = False  # the next step's gap is not lag at the old pace
 
     def set_mode(self, mode: str) -> None:
         """``roofline``, ``manual`` or a fixed step time in seconds (as ``KV_SIDECAR_SIM_STEP``)."""
@@ -434,26 +450,17 @@ class SimEngine:
         return LogprobsLists(ids, logprobs, ranks)
 
     def _sleep(self, arrived: float, model_seconds: float) -> float:
-        """Sleep this step's time; return the simulated seconds it took.
+        """Sleep this step's time (times the time scale); return the simulated seconds it took.
 
         The engine's own CPU time between two steps (output processing, scheduling) is hidden
-        behind the previous step, up to that step's length, as vLLM's async scheduling hides it
-        on a GPU (the CPU platform turns async scheduling off).
+        behind the previous step, up to that step's wall length, as vLLM's async scheduling
+        hides it on a GPU (the CPU platform turns async scheduling off): see
+        ``harness.sim_cost.StepClock``.
         """
         if self.mode == "manual":
             return model_seconds
         seconds = model_seconds if self.fixed_step_seconds is None else self.fixed_step_seconds
-        gap = arrived - self._prev_end
-        hidden = min(max(gap, 0.0), self._prev_cost)
-        end = arrived - hidden + seconds
-        now = time.monotonic()
-        if end > now:
-            time.sleep(end - now)
-        actual_end = max(end, now)
-        if self._busy:  # a GPU would have started this step as the previous one ended
-            self.cpu_lag_seconds += max(0.0, actual_end - (self._prev_end + seconds))
-        self._prev_end = actual_end
-        self._prev_cost = seconds
+        self.clock.pace(arrived, seconds, busy=self._busy)
         return seconds
 
     def state(self) -> dict[str, Any]:
@@ -468,7 +475,9 @@ class SimEngine:
             "waiting": self.gate.waiting,
             "running": len(self.seqs),
             "simulated_seconds": self.simulated_seconds,
+            "time_scale": self.clock.time_scale,
             "cpu_lag_seconds": self.cpu_lag_seconds,
+            "cpu_lag_simulated_seconds": self.cpu_lag_seconds / self.clock.time_scale,
             "last_step": last,
         }
 
@@ -509,7 +518,12 @@ def _serve_control(engine: SimEngine, address: str) -> ThreadingHTTPServer:
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if path == "/mode":
-                    engine.set_mode(str(body["mode"]))
+                    if "mode" not in body and "time_scale" not in body:
+                        raise KeyError("mode")
+                    if "time_scale" in body:
+                        engine.set_time_scale(body["time_scale"])
+                    if "mode" in body:
+                        engine.set_mode(str(body["mode"]))
                     self._answer(200, engine.state())
                     return
                 n = int(body.get("n", 1))

@@ -22,6 +22,8 @@ Every flag given here wins over those defaults. Its own flags:
     --model-config PATH   a config.json, or a directory holding one
     --sim-step MODE       roofline (default) | manual | SECONDS (a fixed step time)
     --sim-control H:P     the executor's control channel (GET /state, POST /step); manual needs it
+    --sim-time-scale X    every step sleeps X times its cost (default 1: real time); for a host
+                          CPU that cannot keep the GPU's pace (simulated_seconds stay GPU seconds)
     --sim-dry-run         print the KV pool vLLM would make for these flags (JSON) and exit
 
 A request ends where its ``"vllm_xargs": {"sim_output_tokens": L}`` says (EOS as its L-th
@@ -113,6 +115,26 @@ def _given(rest: list[str], *flags: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in rest for f in flags)
 
 
+def sim_env(args: argparse.Namespace) -> dict[str, str]:
+    """The simulated executor's settings from this command's own flags (its environment: the
+    engine core inherits it)."""
+    return {
+        "KV_SIDECAR_SIM_GPU": gpu(args.gpu).name,
+        "KV_SIDECAR_SIM_STEP": args.sim_step,
+        "KV_SIDECAR_SIM_CONTROL": args.sim_control or "",
+        "KV_SIDECAR_SIM_TIME_SCALE": repr(time_scale(args)),
+    }
+
+
+def time_scale(args: argparse.Namespace) -> float:
+    """``--sim-time-scale``, else ``KV_SIDECAR_SIM_TIME_SCALE``, else 1."""
+    from harness.sim_cost import ENV_TIME_SCALE, parse_time_scale
+
+    if args.sim_time_scale is not None:
+        return float(args.sim_time_scale)
+    return parse_time_scale(os.environ.get(ENV_TIME_SCALE))
+
+
 def build_command(args: argparse.Namespace, rest: list[str]) -> tuple[list[str], dict[str, str]]:
     """The vLLM command line and environment for ``args`` (own flags) and ``rest`` (vLLM's)."""
     spec = gpu(args.gpu)
@@ -141,9 +163,7 @@ def build_command(args: argparse.Namespace, rest: list[str]) -> tuple[list[str],
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the CPU platform would size the pool from it
     env.update(
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        KV_SIDECAR_SIM_GPU=spec.name,
-        KV_SIDECAR_SIM_STEP=args.sim_step,
-        KV_SIDECAR_SIM_CONTROL=args.sim_control or "",
+        **sim_env(args),
         KV_SIDECAR_SIM_TOKEN_ID=str(filler_token_id(directory)),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -207,6 +227,15 @@ def dry_run(argv: list[str]) -> dict[str, object]:
     }
 
 
+def _time_scale(value: str) -> float:
+    from harness.sim_cost import parse_time_scale
+
+    try:
+        return parse_time_scale(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m harness.sim_vllm",
@@ -216,6 +245,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-config", required=True, help="config.json (or its directory)")
     p.add_argument("--sim-step", default="roofline", help="roofline | manual | SECONDS")
     p.add_argument("--sim-control", default="", help="HOST:PORT of the step control channel")
+    p.add_argument(
+        "--sim-time-scale",
+        type=_time_scale,
+        default=None,
+        metavar="X",
+        help="wall seconds per simulated second: every step sleeps X times its cost (default "
+        "1, or KV_SIDECAR_SIM_TIME_SCALE); simulated_seconds stay in GPU seconds",
+    )
     p.add_argument(
         "--sim-dry-run",
         action="store_true",
@@ -230,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu(args.gpu)  # an unknown GPU fails before any re-exec
     if args.sim_step == "manual" and not args.sim_control:
         parser().error("--sim-step manual needs --sim-control HOST:PORT")
+    try:
+        time_scale(args)
+    except ValueError as exc:
+        parser().error(f"KV_SIDECAR_SIM_TIME_SCALE: {exc}")
     if not _in_vllm_venv():
         _reexec_in_vllm_venv(argv)
     if args.sim_dry_run:
