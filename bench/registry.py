@@ -67,6 +67,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         default=True,
     ),
     Benchmark(
+        "simgpu",
+        "admission at production scale on the simulated GPU engine (8B on H100, 70B at TP 8)",
+        "bench.simgpu.cli",
+        "about 40 minutes",
+        needs="the vLLM CPU venv (the simulated executor; no GPU)",
+    ),
+    Benchmark(
         "counting",
         "long prompts: what a count costs, and whether a stream beside 128k-token counts stalls",
         "bench.counting",

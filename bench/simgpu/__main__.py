@@ -1,0 +1,3 @@
+from bench.simgpu.cli import main
+
+main()

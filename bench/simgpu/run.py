@@ -1,0 +1,121 @@
+"""One configuration of the simulated-GPU benchmark on one workload: a sidecar started in front
+of the simulated vLLM (or none), the workload sent at the engine's time scale and sampled, the
+engine's own clock (``GET /state`` of its control channel) read before and after."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.admission.client import Outcome, Tracker, drive, sample
+from bench.common import reset_prefix_cache, wait_idle, wait_tokenizer
+from bench.simgpu.workload import LONG_QUEUE_WAIT, SIDECAR_TIMES, SimWorkload, dilated
+from harness.bench_util import progress
+from harness.sim_server import SimServer
+from harness.workload import SidecarProcess, vllm_preemptions
+
+
+def sidecar_args(config: str, time_scale: float) -> list[str]:
+    """The sidecar's flags for ``config``: its defaults (``sidecar-adaptive`` names no
+    ``--reservation``: adaptive is the default), ``--reservation worst-case`` for
+    ``sidecar-worst-case``; the time-valued defaults stretched by the time scale; the info log
+    that says the tokenizer is loaded."""
+    args: list[str] = []
+    reservation = config.removeprefix("sidecar-")
+    times = dict(SIDECAR_TIMES)
+    if reservation.endswith("-long-wait"):
+        reservation = reservation.removesuffix("-long-wait")
+        times["--max-queue-wait"] = LONG_QUEUE_WAIT
+    if reservation != "adaptive":
+        args += ["--reservation", reservation]
+    for flag, seconds in times.items():
+        if time_scale != 1 or seconds != SIDECAR_TIMES[flag]:
+            args += [flag, f"{seconds * time_scale:g}"]
+    return [*args, "--log-level", "info"]
+
+
+def _sidecar_figures(text: str) -> dict[str, Any]:
+    families = list(text_string_to_metric_families(text))
+
+    def by(name: str, *labels: str) -> dict[str, float]:
+        return {
+            "/".join(s.labels.get(k, "") for k in labels): s.value
+            for f in families
+            for s in f.samples
+            if s.name == name
+        }
+
+    return {
+        "requests_by_reason": by("kv_sidecar_requests_total", "decision", "reason"),
+        # adaptive mode: what each class seen reserves for a short prompt at the end of the run
+        "reserved_output_tokens": by("kv_sidecar_expected_output_tokens", "class"),
+    }
+
+
+def run_config(config: str, wl: SimWorkload, sim: SimServer) -> dict[str, Any]:
+    """One configuration on one workload, on the running ``sim``."""
+    scale = wl.time_scale
+    wait_idle(sim.url)
+    reset_prefix_cache(sim.url)
+    before = vllm_preemptions(sim.url)
+    state0 = sim.state()
+    sidecar: SidecarProcess | None = None
+    args: list[str] = []
+    if config.startswith("sidecar-"):
+        args = sidecar_args(config, scale)
+        sidecar = SidecarProcess(sim.url, *args).start()
+        wait_tokenizer(sidecar)
+    url = sidecar.url if sidecar is not None else sim.url
+    workload = dilated(wl.workload, scale)
+    total = len(workload.requests)
+    last = [time.monotonic()]
+
+    def on_done(n: int) -> None:
+        if time.monotonic() - last[0] > 20 or n == total:
+            last[0] = time.monotonic()
+            progress(f"simgpu: {wl.name} / {config}: {n}/{total} requests done")
+
+    async def go() -> tuple[list[Outcome], float, float, list[dict[str, Any]]]:
+        samples: list[dict[str, Any]] = []
+        stop = asyncio.Event()
+        tracker = Tracker()
+        t0 = time.monotonic()
+        sampler = asyncio.ensure_future(sample(sim.url, sidecar, t0, samples, stop, tracker))
+        outcomes, t1 = await drive(url, workload, t0, on_done, tracker)
+        stop.set()
+        await sampler
+        return outcomes, t0, t1, samples
+
+    sidecar_figures: dict[str, Any] | None = None
+    try:
+        outcomes, t0, t1, samples = asyncio.run(go())
+        state1 = sim.state()
+        if sidecar is not None:
+            try:
+                sidecar_figures = _sidecar_figures(sidecar.metrics())
+            except (httpx.HTTPError, ValueError) as exc:
+                sidecar_figures = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    finally:
+        if sidecar is not None:
+            sidecar.stop()
+    after = vllm_preemptions(sim.url)
+    return {
+        "config": config,
+        "workload": wl.name,
+        "time_scale": scale,
+        "sidecar_args": args,
+        "preemptions": after - before,
+        "seconds": t1 - t0,
+        "engine": {
+            k: state1[k] - state0[k] for k in ("steps", "simulated_seconds", "cpu_lag_seconds")
+        },
+        "outcomes": [asdict(o) for o in outcomes],
+        "samples": samples,
+        "sidecar_metrics": sidecar_figures,
+        "errors": sorted({o.error[:200] for o in outcomes if o.error})[:5],
+    }
