@@ -130,60 +130,24 @@ def queue_sidecar(vllm: VllmInfo) -> Iterator[SidecarProcess]:
 def test_queue_policy_burst_has_no_preemptions(
     vllm: VllmInfo, shape: Shape, prompts: list[str], queue_sidecar: SidecarProcess
 ) -> None:
+    """The same burst through ``--policy queue`` on the real CPU model: every answer completes
+    in full, vLLM preempts nothing, and the ledger is empty after (the fixture). That the
+    prediction follows vLLM's usage within a block per request at every step, and that the
+    burst fills the budget and queues, is asserted on the simulated engine, stepped by the test
+    (``test_admission_sim.py::test_queue_policy_burst_has_no_preemptions``): sampling this
+    free-running engine's scrapes cannot promise a comparable sample on a busy machine."""
     before = vllm_preemptions(vllm.url)
-
-    def in_flight_samples(sampler: Sampler) -> list[dict[str, float]]:
-        return [
-            s
-            for s in sampler.samples
-            if s["predicted_at_snapshot_blocks"] is not None
-            and s["actual_blocks"] is not None
-            and s["in_flight_at_snapshot"] > 0
-        ]
-
-    # a quiet machine runs the burst in a few seconds: its samples should span several scrapes
-    # (0.5 s); when one burst's did not (the premise of the comparison, not the sidecar's
-    # doing), the same burst runs again, up to three times, and every run must hold
-    for _attempt in range(3):
-        with Sampler(queue_sidecar) as sampler:
-            results = asyncio.run(
-                burst(
-                    queue_sidecar.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name
-                )
-            )
-        assert [r.status for r in results] == [200] * shape.requests, [r.error for r in results]
-        assert all(r.completion_tokens == shape.max_tokens for r in results)
-        assert vllm_preemptions(vllm.url) == before
-        compared = in_flight_samples(sampler)
-        if len(compared) >= 3 and len({s["predicted_at_snapshot_blocks"] for s in compared}) >= 2:
-            break
-
-    # predicted vs actual at each scrape: within one block per request in flight
-    assert len(compared) >= 3, len(compared)
-    assert len({s["predicted_at_snapshot_blocks"] for s in compared}) >= 2  # not one scrape
-    off = [
-        s
-        for s in compared
-        if abs(s["predicted_at_snapshot_blocks"] - s["actual_blocks"]) > s["in_flight_at_snapshot"]
-    ]
-    assert not off, [
-        (s["predicted_at_snapshot_blocks"], s["actual_blocks"], s["in_flight_at_snapshot"])
-        for s in off
-    ] + [len(compared)]
-    # the exported figures say the same: error within a block per request, no OOM risk
-    # (/state and /metrics are read one after the other and may straddle a scrape: bound each
-    # exported error by the requests in flight at the neighbouring samples' scrapes)
-    block_bytes = vllm.bytes_per_block(queue_sidecar.metrics_url)
-    samples = sampler.samples
-    for i, s in enumerate(samples):
-        if s["error_bytes"] is None:
-            continue
-        near = samples[max(0, i - 1) : i + 2]
-        bound = max(n["in_flight_at_snapshot"] for n in near)
-        assert abs(s["error_bytes"]) <= max(bound, 1) * block_bytes, (i, s)
-    risks = [s["oom_risk_ratio"] for s in sampler.samples if s["oom_risk_ratio"] is not None]
-    assert risks and max(risks) <= 1.0
-    assert max(risks) > 0.5  # the burst did fill the budget
+    results = asyncio.run(
+        burst(queue_sidecar.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
+    )
+    assert [r.status for r in results] == [200] * shape.requests, [r.error for r in results]
+    assert all(r.completion_tokens == shape.max_tokens for r in results)
+    assert vllm_preemptions(vllm.url) == before
+    # it was over the budget: requests queued (a counter, not a sample)
+    queued = metric_value(
+        queue_sidecar.metrics(), "kv_sidecar_requests_total", decision="admit", reason="queued"
+    )
+    assert (queued or 0) > 0, queued
 
 
 def test_observe_policy_sees_the_oom_risk_of_the_direct_burst(
