@@ -87,6 +87,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         needs="wrk (scripts/system-deps.sh --bench)",
     ),
     Benchmark(
+        "owner_loop",
+        "the owner's event-loop lag with relay workers at 500 requests/s, 2,000 in flight",
+        "bench.owner_loop.cli",
+        "about 2 minutes",
+    ),
+    Benchmark(
         "fleet",
         "two vLLM replicas behind nginx: what a sidecar per replica changes for a fleet",
         "bench.fleet.cli",
