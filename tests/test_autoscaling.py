@@ -17,11 +17,13 @@ threshold)``, the same with the one replica here). The HPA overlay's ``Pods`` me
 deploy/README.md promises: demand of k pods' budgets asks for ``ceil(k / 0.8)`` pods, 4 for k = 3.
 The old signal, ``kv_sidecar_oom_risk_ratio``, leaves the queue out and asks for at most 2 here.
 
-KEDA's count (the metric against the clients' demand, and the 4 it asks for) is asserted on vLLM's
-own scheduler with a simulated GPU, held still while Prometheus scrapes
-(tests/test_admission_sim.py::test_a_three_fold_overload_asks_for_four_pods_at_once): sampled
-from this free-running engine, a loaded machine's samples strayed from the demand. The fixture
-still collects the KEDA query's window.
+KEDA's count (the metric against the clients' demand, and the 4 it asks for) and the HPA
+overlay's are asserted on vLLM's own scheduler with a simulated GPU, held still while Prometheus
+scrapes (tests/test_admission_sim.py::test_a_three_fold_overload_asks_for_four_pods_at_once):
+sampled from this free-running engine, a loaded machine's samples strayed from the demand (the
+KEDA median once read 0.36 budgets off it, and a ceiling of such a median is one replica off).
+Here, on the real CPU model, the premise (a queue forms, nothing is refused) and the old signal's
+bound, which holds whatever the samples.
 """
 
 from __future__ import annotations
@@ -68,8 +70,6 @@ class Overloaded:
     peak_blocks: int  # each request's projected peak, from its tokens and vLLM's block size
     budget_blocks: int
     clients: int
-    keda: list[Sample]  # the KEDA query over the settled load window
-    hpa_pods: list[Sample]  # the HPA metric per pod (what prometheus-adapter serves)
     old_signal: list[Sample]  # sum(kv_sidecar_oom_risk_ratio) over the same window
     queue_depth: list[Sample]
     results: list[Result]
@@ -157,9 +157,6 @@ def overloaded(vllm: VllmInfo, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 peak_blocks=peak_blocks,
                 budget_blocks=budget_blocks,
                 clients=clients,
-                keda=window(scalers.keda_query),
-                # prometheus-adapter's rule: max(<<.Series>>{<<.LabelMatchers>>}) by (pod)
-                hpa_pods=window(f"max({scalers.hpa_metric}{selector}) by (pod)"),
                 old_signal=window(f"sum(kv_sidecar_oom_risk_ratio{selector})"),
                 queue_depth=window(f"sum(kv_sidecar_queue_depth{selector})"),
                 results=results,
@@ -176,21 +173,6 @@ def test_the_load_is_a_three_fold_overload_of_one_pod(overloaded: Overloaded) ->
     depths = [s.value for s in overloaded.queue_depth]
     assert depths
     assert statistics.median(depths) >= overloaded.clients / 2, depths
-
-
-def test_the_hpa_overlay_asks_for_the_same(overloaded: Overloaded) -> None:
-    """The HPA's Pods metric (per pod, as prometheus-adapter serves it) with its averageValue
-    target: ceil(sum over pods / target) replicas, the same 4."""
-    target = overloaded.scalers.hpa_target
-    by_time: dict[float, list[float]] = {}
-    for s in overloaded.hpa_pods:
-        assert s.labels.get("pod") == POD, s.labels
-        by_time.setdefault(s.at, []).append(s.value)
-    desired = []
-    for values in by_time.values():
-        average = sum(values) / len(values)
-        desired.append(math.ceil(len(values) * average / target))
-    assert desired and statistics.median(desired) == math.ceil(OVERLOAD / target) == 4, desired
 
 
 def test_the_old_signal_would_have_asked_for_one_step_only(overloaded: Overloaded) -> None:
