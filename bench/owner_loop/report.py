@@ -95,7 +95,64 @@ def limits(results: dict[str, Any], cores: dict[str, float]) -> list[str]:
             f"the machine at {cores['machine']:.2f} of {total} cores "
             f"({cores['others']:.2f} of them others')"
         )
+    # the same, part by part: a burst of others' work hides in the window's mean
+    parts = results.get("sub_windows", [])
+    late = [p for p in parts if over_5ms(p) > 0]
+    full = [p for p in late if p["cores"]["machine busy_s"] >= 0.95 * total]
+    if full:
+        n = sum(over_5ms(p) for p in full)
+        others = max(p["cores"]["others"] for p in full)
+        out.append(
+            f"the machine, in {len(full)} of the {len(parts)} parts of the window (busy "
+            f"{min(p['cores']['machine busy_s'] for p in full):.2f} to "
+            f"{max(p['cores']['machine busy_s'] for p in full):.2f} of {total} cores, up to "
+            f"{others:.2f} of them others'), which hold {n} of the "
+            f"{sum(over_5ms(p) for p in late)} probes over 5 ms"
+        )
+    for p in late:
+        for name in ("owner", *(k for k in p["cores"] if k.startswith("worker"))):
+            if p["cores"][name] >= SATURATED_CORES:
+                out.append(f"{name} at {p['cores'][name]:.2f} cores at {p['from_s']:.0f} s")
     return out
+
+
+def over_5ms(part: dict[str, Any]) -> int:
+    lag = part["lag"]
+    return int(lag["probes"] - (lag["within_5ms"] or 0))
+
+
+def parts_table(results: dict[str, Any]) -> str:
+    rows = []
+    for p in results.get("sub_windows", []):
+        c, lag = p["cores"], p["lag"]
+        workers = sum(v for k, v in c.items() if k.startswith("worker"))
+        rows.append(
+            [
+                f"{p['from_s']:.0f}-{p['to_s']:.0f} s",
+                fmt(lag["probes"], 0),
+                fmt(over_5ms(p), 0),
+                lag["max_bucket"],
+                fmt(c["owner"], 2),
+                fmt(workers, 2),
+                fmt(c["fake vLLM"], 2),
+                fmt(c["client"], 2),
+                fmt(c["machine busy_s"], 2),
+                fmt(c["others"], 2),
+            ]
+        )
+    header = [
+        "part",
+        "probes",
+        "over 5 ms",
+        "largest bucket",
+        "owner",
+        "workers",
+        "fake",
+        "client",
+        "machine",
+        "others'",
+    ]
+    return table(header, rows)
 
 
 #: issue 19's load: arrivals per second, requests in flight
@@ -266,6 +323,11 @@ def report(results: dict[str, Any], command: str) -> str:
         "completion in the window):",
         "",
         table(["process", "CPU seconds", "cores", "ms per request"], cpu),
+        "",
+        "The window in parts (the lag histogram read every 5 s as well; cores of each process, "
+        "of the machine, and others': the machine's less this run's):",
+        "",
+        parts_table(results),
         "",
     ]
     checks = "; ".join(f"{c['check']}: {'yes' if c['ok'] else '**no**'}" for c in v["load_checks"])

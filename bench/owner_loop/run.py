@@ -33,6 +33,8 @@ from harness.workload import SidecarProcess
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: seconds between two samples of /state and the processes' CPU during the window
 SAMPLE_EVERY_S = 0.5
+#: the lag histogram is also read every this many samples (5 s): the window in parts
+LAG_EVERY = 10
 #: seconds the clients' processes are given to start before the rest window
 CLIENT_BOOT_S = 3.0
 #: the sidecar's counters whose change over the window is recorded
@@ -158,9 +160,37 @@ def window_samples(sidecar: SidecarProcess, procs: Processes, until: float) -> l
             except httpx.HTTPError as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"
             row["cpu"] = procs.read()
+            if len(samples) % LAG_EVERY == 0 and samples:
+                with contextlib.suppress(httpx.HTTPError, LookupError):
+                    row["lag"] = read_histogram(http.get(sidecar.metrics_url + "/metrics").text)
             samples.append(row)
             tick += SAMPLE_EVERY_S
     return samples
+
+
+def sub_windows(
+    first: tuple[float, dict[str, Any], dict[str, float]],
+    samples: list[dict[str, Any]],
+    last: tuple[float, dict[str, Any], dict[str, float]],
+) -> list[dict[str, Any]]:
+    """The window cut where the lag histogram was read: each part's probes and every
+    process's cores, the machine's and others' (what is not this run's) included."""
+    marks = [first, *((r["t"], r["lag"], r["cpu"]) for r in samples if "lag" in r), last]
+    out = []
+    for (t0, h0, c0), (t1, h1, c1) in itertools.pairwise(marks):
+        secs = t1 - t0
+        cores = {k: (c1[k] - c0[k]) / secs for k in c0}
+        ours = sum(v for k, v in cores.items() if not k.startswith("machine"))
+        cores["others"] = cores["machine busy_s"] - ours
+        out.append(
+            {
+                "from_s": t0 - first[0],
+                "to_s": t1 - first[0],
+                "lag": summarize(delta(h1, h0)),
+                "cores": cores,
+            }
+        )
+    return out
 
 
 def start_stack(
@@ -251,6 +281,9 @@ def run(settings: Settings) -> dict[str, Any]:
         "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0},
         "sidecar_counters": {k: v - counters0.get(k, 0.0) for k, v in counters1.items()},
     }
+    results["sub_windows"] = sub_windows(
+        (t0, marks["window"], cpu0), samples, (t1, marks["drain"], cpu1)
+    )
     results["samples"] = [{**s, "t": s["t"] - start} for s in samples]
     results["clients"] = [{k: v for k, v in o.items() if k != "records"} for o in outs]
     results["requests"] = requests_summary(settings, [r for o in outs for r in o["records"]])
