@@ -31,10 +31,13 @@ from harness.vllm_cpu import ensure_tokenizer_model
 from harness.workload import SidecarProcess
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
-#: seconds between two samples of /state and the processes' CPU during the window
-SAMPLE_EVERY_S = 0.5
-#: the lag histogram is also read every this many samples (5 s): the window in parts
-LAG_EVERY = 10
+#: seconds between two samples of /state and the processes' CPU during the window (a /state
+#: costs the owner's loop about as much as a decision's round trip: not more often)
+SAMPLE_EVERY_S = 1.0
+#: the lag histogram is also read every this many samples (15 s, a common Prometheus scrape
+#: interval: a /metrics render holds the owner's loop some 10 ms at 2,000 in flight, so reading
+#: it more often would add the probes over 5 ms it measures): the window in parts
+LAG_EVERY = 15
 #: seconds the clients' processes are given to start before the rest window
 CLIENT_BOOT_S = 3.0
 #: the sidecar's counters whose change over the window is recorded
@@ -159,10 +162,14 @@ def window_samples(sidecar: SidecarProcess, procs: Processes, until: float) -> l
                 row.update(in_flight=state["in_flight"], queue_depth=state["queue_depth"])
             except httpx.HTTPError as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"
+            row["state_read_s"] = time.monotonic() - row["t"]
             row["cpu"] = procs.read()
             if len(samples) % LAG_EVERY == 0 and samples:
                 with contextlib.suppress(httpx.HTTPError, LookupError):
-                    row["lag"] = read_histogram(http.get(sidecar.metrics_url + "/metrics").text)
+                    asked = time.monotonic()
+                    text = http.get(sidecar.metrics_url + "/metrics").text
+                    row["metrics_read_s"] = time.monotonic() - asked
+                    row["lag"] = read_histogram(text)
             samples.append(row)
             tick += SAMPLE_EVERY_S
     return samples
