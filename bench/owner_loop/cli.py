@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import bench.owner_loop
 from bench.owner_loop.client import client_main
 from bench.owner_loop.settings import Settings
-from harness.bench_util import ROOT, progress, update_section, write_json
+from harness.bench_util import RESULTS, ROOT, progress, update_section, write_json
 
 SECTION = "owner_loop"
 #: the smoke run's settings (each still overridden by its flag)
@@ -47,6 +48,12 @@ def parser() -> argparse.ArgumentParser:
         "--no-report",
         action="store_true",
         help="leave BENCHMARKS.md alone; the JSON goes to owner-loop-<rate>rps.json",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="redo the verdict and the section from bench/results/owner-loop.json (or "
+        "owner-loop-quick.json with --quick) without measuring",
     )
     p.add_argument("--client", metavar="PLAN", help=argparse.SUPPRESS)
     return p
@@ -92,8 +99,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         name = f"owner-loop-{settings.rate:g}rps"
     else:
         name = "owner-loop"
-    results = run(settings)
-    results["command"] = command
+    if args.report_only:
+        results = dict(json.loads((RESULTS / f"{name}.json").read_text()))
+        command = results["command"]
+    else:
+        results = run(settings)
+        results["command"] = command
     results["verdict"] = verdict(results)
     text = report(results, command)
     results["report"] = text

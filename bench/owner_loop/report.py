@@ -195,6 +195,7 @@ def reading(results: dict[str, Any]) -> str:
     ours = {k: c for k, c in cores.items() if k not in ("machine", "others", "workers together")}
     busiest = max(ours, key=lambda k: ours[k])
     allowed = int(w["probes"] * 0.01)
+    over = w["probes"] - (w["within_5ms"] or 0)
     samples = results["samples"]
     every = (samples[-1]["t"] - samples[0]["t"]) / max(len(samples) - 1, 1) if samples else 0.0
     state = _ms(median([x["state_read_s"] for x in samples if "state_read_s" in x]))
@@ -210,7 +211,7 @@ def reading(results: dict[str, Any]) -> str:
         )
     return (
         f"Reading: {w['probes']:,} probes in the window, so the p99 is under 5 ms when at most "
-        f"{allowed} of them are over it; {w['probes'] - (w['within_5ms'] or 0)} were. {limit}"
+        f"{allowed} of them are over it; {over} {'was' if over == 1 else 'were'}. {limit}"
         " "
         "Caveats: the fast fake vLLM reports `vllm:num_requests_running` 0 whatever runs, so at "
         "every scrape (every 0.5 s) the owner's reconcile takes every started request as a "
