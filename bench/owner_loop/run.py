@@ -99,6 +99,20 @@ class Processes:
         out.update({f"machine {k}": v for k, v in machine_cpu().items()})
         return out
 
+    def waits(self) -> dict[str, float]:
+        """Seconds each process's main thread (an event loop's) has waited for a core so far,
+        runnable but not running (the run-queue delay of /proc/PID/schedstat)."""
+        return {name: run_queue_seconds(pids) for name, pids in self.groups.items()}
+
+
+def run_queue_seconds(pids: Sequence[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/schedstat") as fh:
+                total += int(fh.read().split()[1]) / 1e9
+    return total
+
 
 def sleep_until(t: float) -> None:
     while (left := t - time.monotonic()) > 0:
@@ -163,7 +177,7 @@ def window_samples(sidecar: SidecarProcess, procs: Processes, until: float) -> l
             except httpx.HTTPError as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"
             row["state_read_s"] = time.monotonic() - row["t"]
-            row["cpu"] = procs.read()
+            row["cpu"], row["wait"] = procs.read(), procs.waits()
             if len(samples) % LAG_EVERY == 0 and samples:
                 with contextlib.suppress(httpx.HTTPError, LookupError):
                     asked = time.monotonic()
@@ -175,16 +189,16 @@ def window_samples(sidecar: SidecarProcess, procs: Processes, until: float) -> l
     return samples
 
 
-def sub_windows(
-    first: tuple[float, dict[str, Any], dict[str, float]],
-    samples: list[dict[str, Any]],
-    last: tuple[float, dict[str, Any], dict[str, float]],
-) -> list[dict[str, Any]]:
+Mark = tuple[float, dict[str, Any], dict[str, float], dict[str, float]]
+
+
+def sub_windows(first: Mark, samples: list[dict[str, Any]], last: Mark) -> list[dict[str, Any]]:
     """The window cut where the lag histogram was read: each part's probes and every
-    process's cores, the machine's and others' (what is not this run's) included."""
-    marks = [first, *((r["t"], r["lag"], r["cpu"]) for r in samples if "lag" in r), last]
+    process's cores, the machine's and others' (what is not this run's) included, and the
+    share of the part each process waited for a core."""
+    marks = [first, *((r["t"], r["lag"], r["cpu"], r["wait"]) for r in samples if "lag" in r), last]
     out = []
-    for (t0, h0, c0), (t1, h1, c1) in itertools.pairwise(marks):
+    for (t0, h0, c0, w0), (t1, h1, c1, w1) in itertools.pairwise(marks):
         secs = t1 - t0
         cores = {k: (c1[k] - c0[k]) / secs for k in c0}
         ours = sum(v for k, v in cores.items() if not k.startswith("machine"))
@@ -195,6 +209,7 @@ def sub_windows(
                 "to_s": t1 - first[0],
                 "lag": summarize(delta(h1, h0)),
                 "cores": cores,
+                "waiting": {k: (w1[k] - w0[k]) / secs for k in w0},
             }
         )
     return out
@@ -261,6 +276,7 @@ def run(settings: Settings) -> dict[str, Any]:
         sleep_until(start + settings.ramp_s)
         text = sidecar.metrics()
         marks["window"], cpu0, t0 = read_histogram(text), procs.read(), time.monotonic()
+        wait0 = procs.waits()
         counters0 = sidecar_counters(text)
         results["load_average"]["window_start"] = [round(x, 2) for x in load_average()]
         progress(f"owner_loop: measuring {settings.seconds:g} s")
@@ -269,6 +285,7 @@ def run(settings: Settings) -> dict[str, Any]:
         sleep_until(end)
         text = sidecar.metrics()
         marks["drain"], cpu1, t1 = read_histogram(text), procs.read(), time.monotonic()
+        wait1 = procs.waits()
         counters1 = sidecar_counters(text)
         results["load_average"]["window_end"] = [round(x, 2) for x in load_average()]
         if children_pids(owner) != workers:
@@ -286,10 +303,11 @@ def run(settings: Settings) -> dict[str, Any]:
     results["window"] = {
         "seconds": t1 - t0,
         "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0},
+        "run_queue_wait_s": {k: wait1[k] - wait0[k] for k in wait0},
         "sidecar_counters": {k: v - counters0.get(k, 0.0) for k, v in counters1.items()},
     }
     results["sub_windows"] = sub_windows(
-        (t0, marks["window"], cpu0), samples, (t1, marks["drain"], cpu1)
+        (t0, marks["window"], cpu0, wait0), samples, (t1, marks["drain"], cpu1, wait1)
     )
     results["samples"] = [{**s, "t": s["t"] - start} for s in samples]
     results["clients"] = [{k: v for k, v in o.items() if k != "records"} for o in outs]
