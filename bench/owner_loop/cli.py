@@ -84,6 +84,33 @@ def settings_from(args: argparse.Namespace) -> tuple[Settings, str]:
     return settings, command
 
 
+def other_runs(name: str) -> list[dict[str, Any]]:
+    """The other runs kept in bench/results/owner-loop-*.json, one line each (so that the
+    section shows every run kept, not only the one it was written from)."""
+    out = []
+    for path in sorted(RESULTS.glob("owner-loop-*.json")):
+        if path.stem in (name, "owner-loop-quick"):
+            continue
+        r = json.loads(path.read_text())
+        w, v = r["lag"]["window"], r.get("verdict", {})
+        out.append(
+            {
+                "file": f"bench/results/{path.name}",
+                "date": r["machine"]["date"],
+                "commit": r["machine"]["commit"],
+                "command": r.get("command", ""),
+                "probes": w["probes"],
+                "within_5ms": w["within_5ms"],
+                "share_within_5ms": w["share_within_5ms"],
+                "load_reached": v.get("load_reached"),
+                "issue_load": v.get("issue_load"),
+                "target_met": v.get("target_met"),
+                "others_cores": v.get("cores", {}).get("others"),
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
     if args.client:
@@ -106,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results = run(settings)
         results["command"] = command
     results["verdict"] = verdict(results)
+    if not args.quick:
+        results["other_runs"] = other_runs(name)
     text = report(results, command)
     results["report"] = text
     path = write_json(name, results)
