@@ -121,9 +121,11 @@ class EngineView:
         blocks that running requests share are held once.
         """
         ledger = self.ledger
+        running = snap.running
+        if running <= 0:
+            return 0  # vLLM runs none: every started request has finished there
         predicted = ledger.predicted_blocks - ledger.shared_blocks_now()
         ours = ledger.started_sequences
-        running = snap.running
         if running < ours:
             surplus = ours - running
             # each request has a sequence at least: the surplus most advanced cover it
