@@ -154,6 +154,29 @@ def effective_settings(
     return Settings(_cli_parse_args=args)  # type: ignore[call-arg]
 
 
+def test_the_base_env_file_writes_out_the_built_in_defaults(clean_env: pytest.MonkeyPatch) -> None:
+    """kv-sidecar.env says its values are the built-in defaults, written out so that overlays
+    can see what they change: each must be the default it names, or the base silently runs
+    another configuration than the one the README documents."""
+    path = DEPLOY / "components" / "kv-sidecar" / "kv-sidecar.env"
+    pairs = [
+        line.split("=", 1)
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert pairs
+    built_in = Settings(_cli_parse_args=[])  # type: ignore[call-arg]
+    for name, value in pairs:
+        clean_env.setenv(name, value)
+    written = Settings(_cli_parse_args=[])  # type: ignore[call-arg]
+    differ = {
+        field: (getattr(written, field), getattr(built_in, field))
+        for field in Settings.model_fields
+        if getattr(written, field) != getattr(built_in, field)
+    }
+    assert not differ, differ
+
+
 # --- rendering and schemas ----------------------------------------------------------------------
 
 
