@@ -1,7 +1,8 @@
 """Admission at production scale, on the simulated GPU engine (uncalibrated roofline).
 
     python -m bench.simgpu            # about 40 minutes; progress on stderr
-    python -m bench.simgpu --quick    # smaller workloads, a few minutes (BENCHMARKS.md untouched)
+    python -m bench.simgpu --quick    # smoke run: smaller workloads (thrash answers of 300-500
+                                      # tokens), one repetition, ~6 minutes; BENCHMARKS.md untouched
     python -m bench.simgpu --plan 8b:thrash --configs direct,sidecar-adaptive --repeat 1
 
 vLLM's own OpenAI server, scheduler and KV-cache manager run on its CPU build with the

@@ -61,7 +61,9 @@ def parser() -> argparse.ArgumentParser:
         help=f"of {', '.join(CONFIGS)} (default: all three); side experiments: "
         f"{', '.join(EXTRA_CONFIGS)} (--max-queue-wait {LONG_QUEUE_WAIT:g})",
     )
-    p.add_argument("--repeat", type=int, default=3, help="runs of each configuration")
+    p.add_argument(
+        "--repeat", type=int, default=None, help="runs of each configuration (3; --quick: 1)"
+    )
     p.add_argument(
         "--time-scale",
         type=float,
@@ -190,6 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.report_only:
         return finish(json.loads((RESULTS / f"{name}-raw.json").read_text()), args)
     plan = _plan(cli, args.plan)
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
     # /reset_prefix_cache (between runs) is served in vLLM's dev mode only
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     raw: dict[str, Any] = {
@@ -224,7 +228,7 @@ def command_line(raw: dict[str, Any]) -> str:
         command += f" --plan {raw['plan']}"
     if raw.get("configs") != CONFIGS:
         command += f" --configs {','.join(raw['configs'])}"
-    if raw.get("repeat", 3) != 3:
+    if raw.get("repeat", 3) != (1 if raw["quick"] else 3):
         command += f" --repeat {raw['repeat']}"
     if raw.get("time_scale") is not None:
         command += f" --time-scale {raw['time_scale']:g}"

@@ -166,11 +166,13 @@ def burst_workload(count: int, seed: int = 202) -> Workload:
 THRASH_MAX_TOKENS = 2560
 
 
-def thrash_workload(count: int, seed: int = 303) -> Workload:
+def thrash_workload(
+    count: int, answers: tuple[int, int] = (1500, 2500), seed: int = 303
+) -> Workload:
     rng, p = random.Random(seed), Prompts(seed + 1)
     reqs = []
     for _ in range(count):
-        prompt, answer = rng.randint(2000, 4000), rng.randint(1500, 2500)
+        prompt, answer = rng.randint(2000, 4000), rng.randint(*answers)
         body = {"prompt": p.text(prompt), "max_tokens": THRASH_MAX_TOKENS, **_xargs(answer)}
         reqs.append(
             Request(0.0, "/v1/completions", body, output_tokens=answer, kind="long", stream=False)
@@ -179,7 +181,8 @@ def thrash_workload(count: int, seed: int = 303) -> Workload:
         "thrash",
         "Thrash: long prompts, long answers, a pool for half the burst",
         f"{count} completions sent at once, 2,000-4,000 prompt tokens and answers of "
-        f"1,500-2,500 tokens (uniform) ending at EOS under `max_tokens` {THRASH_MAX_TOKENS}, "
+        f"{answers[0]:,}-{answers[1]:,} tokens (uniform) ending at EOS under `max_tokens` "
+        f"{THRASH_MAX_TOKENS}, "
         "not streamed; the pool (`--num-gpu-blocks-override`) holds about half of the burst "
         "at its peak. vLLM admits by the prompt, runs dry mid-decode and preempts, and each "
         "preemption recomputes thousands of tokens.",
@@ -221,15 +224,19 @@ def peak_blocks(workload: Workload) -> int:
 
 
 def thrash_pool(workload: Workload) -> int:
-    """A pool that holds about half of ``workload``'s burst at its peak (plus the null block)."""
-    return math.ceil(peak_blocks(workload) / 2) + NULL_BLOCKS
+    """A pool that holds about half of ``workload``'s burst at its peak (plus the null block),
+    and never less than one whole context (vLLM refuses to start on less)."""
+    half = math.ceil(peak_blocks(workload) / 2)
+    return max(half, math.ceil(MAX_MODEL_LEN / BLOCK_SIZE)) + NULL_BLOCKS
 
 
 #: (count, rate) per workload: the full run, and --quick
 SIZES: dict[str, dict[str, tuple[int, float]]] = {
     "full": {"chat": (150, 60.0), "burst": (256, 0.0), "thrash": (64, 0.0), "poisson": (160, 20.0)},
-    "quick": {"chat": (48, 30.0), "burst": (48, 0.0), "thrash": (16, 0.0), "poisson": (48, 20.0)},
+    "quick": {"chat": (48, 30.0), "burst": (48, 0.0), "thrash": (24, 0.0), "poisson": (48, 20.0)},
 }
+#: --quick's thrash answers: a smoke run of the same shape in a few seconds of simulated time
+QUICK_THRASH_ANSWERS = (300, 500)
 #: the time scale each workload runs at: streamed workloads need more CPU per step
 TIME_SCALES = {"chat": 2.0, "burst": 1.0, "thrash": 1.0, "poisson": 2.0}
 
@@ -244,7 +251,7 @@ def build(name: str, quick: bool, scale: float | None = None) -> SimWorkload:
     if name == "poisson":
         return SimWorkload(poisson_workload(count, rate), time_scale)
     if name == "thrash":
-        wl = thrash_workload(count)
+        wl = thrash_workload(count, QUICK_THRASH_ANSWERS) if quick else thrash_workload(count)
         pool = thrash_pool(wl)
         facts = {"peak_blocks": peak_blocks(wl), "pool_blocks": pool}
         return SimWorkload(wl, time_scale, num_gpu_blocks=pool, facts=facts)
