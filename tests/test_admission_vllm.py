@@ -23,13 +23,14 @@ from harness.workload import (
     make_prompts,
     vllm_preemptions,
 )
+from tests.support.external import unless_external
 
 pytestmark = pytest.mark.vllm
 
 
 def _sized(vllm: VllmInfo) -> None:
     if vllm.num_gpu_blocks != 64 or vllm.block_size != 128 or vllm.max_model_len < 1024:
-        pytest.skip("sized for the harness's vLLM: 64 blocks of 128 tokens, max_model_len 1024")
+        unless_external("sized for the harness's vLLM: 64 blocks of 128 tokens, max_model_len 1024")
 
 
 def test_openai_client_at_its_default_retries_completes_an_over_budget_burst(

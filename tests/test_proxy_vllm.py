@@ -21,6 +21,7 @@ import pytest
 
 from harness.workload import SidecarProcess, burst, make_prompts, metric_value, vllm_preemptions
 from tests.conftest import VllmInfo
+from tests.support.external import unless_external
 
 pytestmark = pytest.mark.vllm
 
@@ -47,7 +48,7 @@ def shape(vllm: VllmInfo) -> Shape:
     blocks_each = vllm.blocks_for(prompt_tokens + max_tokens)
     requests = max(20, math.ceil(OVERSUBSCRIBED * (vllm.num_gpu_blocks - 1) / blocks_each))
     if requests > MAX_BURST:
-        pytest.skip(
+        unless_external(
             f"a pool of {vllm.num_gpu_blocks} blocks needs {requests} requests of {blocks_each} "
             f"blocks to preempt; start vLLM with --num-gpu-blocks-override (64 is what these "
             "tests were sized on)"

@@ -50,6 +50,7 @@ from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.prefix import block_hashes
 from sidecar.kv.projection import project_counts
 from tests.conftest import VllmInfo
+from tests.support.external import unless_external
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tokens"
 CAPTURED = json.loads((FIXTURES / "vllm-0.32.0.json").read_text())
@@ -335,7 +336,7 @@ def tokenize_payloads(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any
 def served_tokenizer(vllm: VllmInfo) -> ModelTokenizer:
     """The tokenizer of the model the test vLLM serves."""
     if vllm.model_dir is None:
-        pytest.skip("the model directory of the external vLLM is not readable here")
+        unless_external("the model directory of the external vLLM is not readable here")
     return ModelTokenizer.load(vllm.model_dir)
 
 
@@ -466,7 +467,7 @@ async def test_real_404_and_closed_port_give_estimates_that_do_not_undercount(
 @pytest.mark.vllm
 async def test_tokenizer_loads_in_background(vllm: VllmInfo, client: httpx.AsyncClient) -> None:
     if vllm.model_dir is None:
-        pytest.skip("the model directory of the external vLLM is not readable here")
+        unless_external("the model directory of the external vLLM is not readable here")
     observer = RecordingObserver()
     counter = PromptCounter(
         client=client,

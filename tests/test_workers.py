@@ -43,6 +43,7 @@ from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import project_counts
 from sidecar.observability.exporter import Metrics
 from tests.conftest import VllmInfo
+from tests.support.external import unless_external
 from tests.support.snapshots import snapshot
 
 #: a completions request the fake counts as 3 prompt tokens; with max_tokens 900 it may reach
@@ -555,14 +556,14 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
     through ``--workers 2`` in worst-case mode: straight to vLLM they would run out of KV
     blocks (the premise); through the sidecar vLLM does not preempt once."""
     if vllm.model_dir is None:
-        pytest.skip("needs the model's tokenizer to make prompts of an exact length")
+        unless_external("needs the model's tokenizer to make prompts of an exact length")
     prompt_tokens, max_tokens = 100, 700
     if prompt_tokens + max_tokens > vllm.max_model_len:
-        pytest.skip("the requests do not fit this vLLM's context")
+        unless_external("the requests do not fit this vLLM's context")
     per_request = vllm.blocks_for(prompt_tokens + max_tokens)
     count = vllm.num_gpu_blocks // per_request + 4
     if count > 64:
-        pytest.skip(f"vLLM's pool ({vllm.num_gpu_blocks} blocks) needs a larger burst")
+        unless_external(f"vLLM's pool ({vllm.num_gpu_blocks} blocks) needs a larger burst")
     assert count * per_request > vllm.num_gpu_blocks, "the burst must overflow vLLM's pool"
     prompts = make_prompts(vllm.model_dir, count, prompt_tokens, seed=23)
     before = vllm_preemptions(vllm.url)
