@@ -164,18 +164,7 @@ class Rows:
             owners = {}
             if self.prefixed:
                 wshared = self._shared(end - done, owners)
-        waiting = ~started
-        arrays: Arrays = (
-            prompt[started] + done[started],
-            end[started] - done[started],
-            weight[started],
-            wshared[started],
-            prompt[waiting],
-            end[waiting],
-            weight[waiting],
-            wshared[waiting],
-        )
-        steps, values = _profile(arrays, blocks)
+        steps, values = _profile(_split(prompt, done, end, weight, wshared, started), blocks)
         return Profile(steps, values, owners)
 
     def retry_arrays(
@@ -198,18 +187,7 @@ class Rows:
             length = by_class[self.klass[:n]]
             likely_end = np.where(raw < length, length, 2 * raw)
             gone = np.where(length < 0, gone, np.maximum(0, np.minimum(end, likely_end) - done))
-        waiting = ~started
-        arrays: Arrays = (
-            prompt[started] + done[started],
-            end[started] - done[started],
-            weight[started],
-            wshared[started],
-            prompt[waiting],
-            end[waiting],
-            weight[waiting],
-            wshared[waiting],
-        )
-        return arrays, gone[started]
+        return _split(prompt, done, end, weight, wshared, started), gone[started]
 
     def shared_started(self) -> int:
         """Prompt blocks that the started sequences hold once for several of them (their
@@ -248,6 +226,29 @@ class Rows:
             elsewhere = sum(1 for h in hashes if holder[h] != r)
             wshared[r] = elsewhere + (int(self.weight[r]) - 1) * len(hashes)
         return wshared
+
+
+def _split(
+    prompt: IntArray,
+    done: IntArray,
+    end: IntArray,
+    weight: IntArray,
+    wshared: IntArray,
+    started: npt.NDArray[np.bool_],
+) -> Arrays:
+    """The rows as ``sidecar.kv.trajectory`` columns: started ones (held, left, weight, weight x
+    shared), then the ones not started (prompt, end, weight, weight x shared)."""
+    waiting = ~started
+    return (
+        prompt[started] + done[started],
+        end[started] - done[started],
+        weight[started],
+        wshared[started],
+        prompt[waiting],
+        end[waiting],
+        weight[waiting],
+        wshared[waiting],
+    )
 
 
 @dataclass(frozen=True, slots=True)
