@@ -236,3 +236,77 @@ def test_retry_columns_take_the_likely_end() -> None:
         (150, 130, 50),
     ]
     assert (prompt.tolist(), end.tolist()) == ([100], [180])
+
+
+operation = st.one_of(
+    st.tuples(st.just("add"), request),
+    st.tuples(st.just("start"), st.integers(0, 20)),
+    st.tuples(st.just("advance"), st.integers(0, 20), st.integers(1, 40)),
+    st.tuples(st.just("release"), st.integers(0, 20)),
+    st.tuples(st.just("build"), st.booleans()),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(operation, max_size=30),
+    st.lists(request, max_size=2),
+    st.sampled_from([1, 4, 16]),
+    st.sampled_from([(None,), (None, None)]),
+    st.booleans(),
+)
+def test_the_kept_bounds_hold_the_peak_through_every_change(
+    ops: list[tuple],
+    candidates: list[dict],
+    size: int,
+    caps: tuple[int | None, ...],
+    share: bool,
+) -> None:
+    """Between rebuilds (the profile is built only where an operation asks, as a decision or
+    a scrape would), the bounds kept from the last build hold the exact peak, with and
+    without candidates, in both modes: requests added, started, advanced (past their reserved
+    end too) and released, prefixes shared, n > 1, several groups."""
+    blocks = UniformBlocks(size) if caps == (None,) else Groups(size, caps)
+    ledger = Ledger(blocks, share_prefixes=share)
+    held: list[Reservation] = []
+    cands = [_reserve(ledger, c, size, candidate=True) for c in candidates]
+    for op in ops:
+        if op[0] == "add":
+            held.append(_reserve(ledger, op[1], size))
+        elif op[0] == "build":
+            ledger.peak_with(worst_case=op[1])
+        elif held:
+            res = held[op[1] % len(held)]
+            if op[0] == "start":
+                ledger.start(res)
+            elif op[0] == "advance":
+                ledger.advance(res, res.generated + op[2])
+            else:
+                ledger.release(res)
+        for worst_case in (False, True):
+            for extra in ((), tuple(cands)):
+                least, most = ledger.peak_bounds(*extra, worst_case=worst_case)
+                exact = _laid_out(ledger, *extra, worst_case=worst_case)
+                assert least <= exact <= most, (least, exact, most)
+
+
+def test_a_decision_settled_by_the_bounds_rebuilds_nothing() -> None:
+    """With the profile built, a request advancing a token leaves bounds one block apart at
+    most, and a candidate far under (or far over) the budget is decided on them, the profile
+    not rebuilt; one between them takes the exact peak."""
+    blocks = UniformBlocks(16)
+    ledger = Ledger(blocks)
+    p = project_counts((160,), requested_max_tokens=160, n=1, max_model_len=4096, blocks=blocks)
+    running = [ledger.reserve(p, streamed=True, ends=[100]) for _ in range(3)]
+    for r in running:
+        ledger.start(r)
+    built = ledger.profile()
+    exact = ledger.peak_with()
+    ledger.advance(running[0], 16)
+    least, most = ledger.peak_bounds()
+    assert ledger._profiles[False][1] is built  # no rebuild
+    assert most == exact + 1  # 16 tokens: a block more per sequence at most
+    assert least == exact - 17  # it may end at once: its 17 blocks at its end (260 tokens)
+    assert least <= ledger.peak_with() <= most
+    ledger.advance(running[0], 101)  # past its reserved end (100): the end moves, no bound
+    assert ledger.peak_bounds()[0] == ledger.peak_bounds()[1] == ledger.peak_with()

@@ -37,7 +37,7 @@ import numpy as np
 from sidecar.kv.blocks import BlockMath
 from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
-from sidecar.kv.rows import Profile, Rows
+from sidecar.kv.rows import Bound, Profile, Rows
 from sidecar.kv.trajectory import ArrayColumns, Columns, future_peak
 
 _NEVER = math.inf  # the remaining steps of a sequence not started yet: it may start any time
@@ -67,6 +67,9 @@ class Reservation:
     #: engine (vLLM's coordinator then picks, and it may pick any)
     shadows: list[Reservation] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # its rows in the ledger's columns, per prompt
+    #: per kept bound (``sidecar.kv.rows.Bound``; worst case second): the build it last moved
+    #: under and its laid-out progress at that build
+    marks: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
 
     @property
     def peak_blocks(self) -> int:
@@ -130,6 +133,8 @@ class Ledger:
         self.version = 0
         self.started_sequences = 0  # the sequences of started requests in flight
         self._profiles: dict[bool, tuple[int, Profile]] = {}
+        self._bounds: dict[bool, Bound] = {}  # the profiles kept past changes, as upper bounds
+        self._builds = 0
 
     def __len__(self) -> int:
         return len(self._active)
@@ -191,6 +196,8 @@ class Ledger:
         self.peak_blocks += res.projection.peak_blocks
         self._rows.add(res, hashed=self.share_prefixes)
         self.version += 1
+        for bound in self._bounds.values():
+            bound.add(res)
         return res
 
     def start(self, res: Reservation) -> None:
@@ -201,7 +208,8 @@ class Ledger:
         res.started_at = self._clock()
         self._set_predicted(res, res.projection.blocks_at(int(res.generated), self.blocks))
         if res.id in self._active:
-            self._rows.update(res)
+            # laid out from its prompt until now, from what it has generated from now on
+            self._moved(res, 0, int(res.generated), self._rows.update(res))
             self.version += 1
             self.started_sequences += res.projection.sequences
 
@@ -209,14 +217,19 @@ class Ledger:
         """Record generation progress; a request past its reservation grows it."""
         if res.released or generated_per_sequence <= res.generated:
             return
-        whole = int(res.generated) != int(generated_per_sequence)
+        before = int(res.generated)
+        whole = before != int(generated_per_sequence)
         res.generated = generated_per_sequence
         tracked = res.id in self._active
         if not res.overran and tracked and generated_per_sequence >= min(res.ends):
             res.overran = True
             self.overruns += 1
         if tracked and whole:
-            self._rows.update(res)
+            moved = self._rows.update(res)
+            if res.started:
+                self._moved(res, before, int(generated_per_sequence), moved)
+            elif moved:
+                self._moved(res, 0, 0, moved)
             self.version += 1
         if not res.started:
             return  # counted from its start
@@ -236,6 +249,7 @@ class Ledger:
             return 0
         res.released = True
         del self._active[res.id]
+        self._moved(res, 0, 0, False, gone=True)
         self._rows.remove(res)
         self.version += 1
         if res.started:
@@ -265,7 +279,61 @@ class Ledger:
             return cached[1]
         profile = self._rows.profile(self.blocks, worst_case=worst_case, share=self.share_prefixes)
         self._profiles[worst_case] = (self.version, profile)
+        self._builds += 1
+        self._bounds[worst_case] = Bound(profile, self._builds, [])
         return profile
+
+    def _moved(
+        self, res: Reservation, before: int, after: int, end_moved: bool, *, gone: bool = False
+    ) -> None:
+        """``res`` changed: its laid-out progress went from ``before`` to ``after`` tokens per
+        sequence, a reserved end moved, or (``gone``) it was released. The kept bounds take
+        the most it can add and the most it can take away (``sidecar.kv.rows.Bound``)."""
+        for worst_case, bound in self._bounds.items():
+            if not bound.valid:
+                continue
+            if end_moved and not worst_case:  # the worst case lays out max_tokens: it never moves
+                bound.valid = False
+                continue
+            k = 2 * worst_case
+            if res.marks[k] != bound.serial:  # its first change since the build
+                res.marks[k] = bound.serial
+                res.marks[k + 1] = before
+                if not (gone and bound.discard(res)):
+                    bound.drop += self._laid_out_blocks(res, worst_case)
+            elif gone:
+                bound.discard(res)
+            if gone:
+                continue
+            base = res.marks[k + 1]
+            grown = self.blocks.blocks_for_tokens(after - base)
+            grown -= self.blocks.blocks_for_tokens(before - base)
+            bound.slack += res.projection.sequences * grown
+
+    def _laid_out_blocks(self, res: Reservation, worst_case: bool) -> int:
+        """The most blocks ``res`` is laid out to hold (at its ends)."""
+        p = res.projection
+        return p.n * sum(
+            self.blocks.blocks_for_tokens(prompt + (p.max_tokens[i] if worst_case else res.end(i)))
+            for i, prompt in enumerate(p.prompt_tokens)
+        )
+
+    def peak_bounds(self, *extra: Reservation, worst_case: bool = False) -> tuple[int, int]:
+        """The least and the most :meth:`peak_with` can be: both the exact peak when the ledger
+        is unchanged since its profile was built, else the kept profile's bounds after the
+        changes since (``sidecar.kv.rows.Bound``), and the exact peak where those were
+        dropped. A decision the bounds settle needs no rebuild."""
+        cached = self._profiles.get(worst_case)
+        bound = self._bounds.get(worst_case)
+        if (
+            self._uncapped
+            and (cached is None or cached[0] != self.version)
+            and bound is not None
+            and bound.valid
+        ):
+            return bound.peak_with(extra, self.blocks, worst_case=worst_case)
+        peak = self.peak_with(*extra, worst_case=worst_case)
+        return peak, peak
 
     def retry_columns(
         self, extra: Sequence[Reservation], likely: Callable[[str], int | None] | None

@@ -126,13 +126,18 @@ class Rows:
             self.owner.append((res, i))
             res.rows.append(r)
 
-    def update(self, res: Reservation) -> None:
-        """``res`` started or advanced: its rows' progress, started flag and reserved end."""
+    def update(self, res: Reservation) -> bool:
+        """``res`` started or advanced: its rows' progress, started flag and reserved end.
+        Returns whether a reserved end moved."""
         done = int(res.generated)
+        moved = False
         for i, r in enumerate(res.rows):
             self.done[r] = done
-            self.end[r] = res.end(i)
+            end = res.end(i)
+            moved |= bool(self.end[r] != end)
+            self.end[r] = end
             self.started[r] = res.started
+        return moved
 
     def remove(self, res: Reservation) -> None:
         for r in sorted(res.rows, reverse=True):
@@ -294,3 +299,66 @@ class Profile:
                 for h in hashes:
                     held[h] = _FOREVER
         return int(total.max()) if len(total) else 0
+
+
+#: candidates a :class:`Bound` carries beside its profile before it gives up (each costs one
+#: candidate's pass over the profile's steps per decision)
+PENDING_MAX = 4
+
+
+@dataclass(slots=True)
+class Bound:
+    """A :class:`Profile` kept past the ledger's changes as bounds on its peak, so that a
+    decision far enough from the budget takes no rebuild while streams advance.
+
+    From above, each change moves the true peak (with any candidates) up by at most:
+
+    - a request added: nothing once it is carried in ``pending`` as a candidate (an unstarted
+      request is one: its growth from its prompt, never freed);
+    - a request started or released: nothing (a started request is freed at its end, a
+      released one holds nothing);
+    - ``k`` tokens of progress since the profile was built (a started request's or, at its
+      start, the tokens it had then): each of its sequences holds at any future step the blocks
+      of ``k`` more tokens than it was laid out with, at most ``blocks_for_tokens(k)`` more, and
+      ends sooner; prefix sharing only lowers that (uncapped geometry: a block is held once
+      while anyone holds it);
+    - a reserved end moved (an answer past its reserved end): unbounded here, so the bound is
+      dropped (``valid``) and the next decision rebuilds the profile.
+
+    From below, a request that started, advanced or was released since holds at any step at
+    least nothing, where it was laid out with at most its blocks at its end: ``drop`` sums those
+    (each request once per build; ``sidecar.kv.ledger.Reservation.marks``).
+
+    :meth:`peak_with`: the profile's peak with ``pending`` and the candidates, less ``drop``
+    and plus ``slack``."""
+
+    profile: Profile
+    serial: int  # which build: a reservation's ``marks`` record its progress at the build
+    pending: list[Reservation]
+    slack: int = 0
+    drop: int = 0
+    valid: bool = True
+
+    def add(self, res: Reservation) -> None:
+        if len(self.pending) < PENDING_MAX:
+            self.pending.append(res)
+        else:
+            self.valid = False
+
+    def discard(self, res: Reservation) -> bool:
+        """Take a released request out of ``pending``; whether it was there."""
+        if res in self.pending:
+            self.pending.remove(res)
+            return True
+        return False
+
+    def peak_with(
+        self, candidates: Iterable[Reservation], blocks: BlockMath, *, worst_case: bool
+    ) -> tuple[int, int]:
+        """The least and the most the peak with ``candidates`` can be."""
+        extra = [*self.pending, *candidates]
+        if extra:
+            peak = self.profile.peak_with(extra, blocks, worst_case=worst_case)
+        else:
+            peak = self.profile.peak
+        return max(0, peak - self.drop), peak + self.slack
