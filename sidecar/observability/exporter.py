@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -199,10 +199,7 @@ class Metrics:
         registry.register(self.collector)
         # the sidecar's own CPU (process_cpu_seconds_total, ...) and the CPU it may use; with
         # relay workers (``process_children``), summed over the owner and the workers
-        if process_children is None:
-            ProcessCollector(registry=registry)
-        else:
-            registry.register(ProcessTreeCollector(process_children))
+        registry.register(ProcessTreeCollector(process_children))
         registry.register(CpuLimitCollector())
 
     def _request(self, outcome: str, reason: str) -> Counter:
