@@ -275,13 +275,25 @@ class Profile:
         """The peak with ``candidates`` added, unstarted (uncapped geometry only)."""
         total = self.values.copy()
         steps = self.steps[:-1]
+        size = blocks.block_size
+        uniform = blocks.group_caps == (None,)
         held: dict[int, float] = {}  # hashes the candidates before this one hold, forever
         for cand in candidates:
             p = cand.projection
             for i, prompt in enumerate(p.prompt_tokens):
                 end = p.max_tokens[i] if worst_case else cand.end(i)
-                tokens = np.append(prompt + np.minimum(steps, end), prompt + end)
-                total += p.n * _blocks(tokens, blocks)
+                tokens = np.minimum(steps, end)
+                tokens += prompt
+                if uniform:  # ceil(tokens / size)
+                    tokens += size - 1
+                    tokens //= size
+                    grown = tokens
+                else:
+                    grown = _blocks(tokens, blocks)
+                if p.n != 1:
+                    grown *= p.n
+                total[:-1] += grown
+                total[-1] += p.n * blocks.blocks_for_tokens(prompt + end)
                 if self.owners is None or cand.prefix is None:
                     continue
                 hashes = cand.prefix[i]
