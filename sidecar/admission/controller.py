@@ -554,6 +554,22 @@ class AdmissionController:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    def at_snapshot(self) -> tuple[int | None, int | None, int | None]:
+        """What :meth:`state` reports of the last scrape of vLLM, without the peaks it computes
+        over the ledger (the exporter reads this after every scrape): the blocks the ledger
+        predicted vLLM held then (None until every pool has a scrape), the blocks vLLM reported
+        then, and the capacity."""
+        snap = self._snapshot
+        predicted: int | None = 0
+        for pool in self.pools:
+            at = pool.view.at_snapshot
+            if at is None or predicted is None:
+                predicted = None
+            else:
+                predicted += at[0]
+        actual = snap.used_blocks if snap is not None else None
+        return predicted, actual, self.capacity_blocks
+
     def state(self) -> KVState:
         """The figures summed over the pools."""
         snap = self._snapshot

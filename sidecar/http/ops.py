@@ -2,7 +2,9 @@
 
 A FastAPI app: typed response models document ``/readyz`` and ``/state`` at ``/docs``. Every
 handler runs on the sidecar's event loop (``async def``), so that a scrape reads the ledger and
-the queue in one consistent moment.
+the queue in one consistent moment. ``/metrics`` is rendered in slices that give the loop back
+between families (``sidecar.observability.exposition``): admission decides between them, and
+the admission gauges are still computed together, from one state.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from collections.abc import Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from sidecar.admission.ask import KVState
+from sidecar.observability.exposition import render
 
 
 class Readiness(BaseModel):
@@ -59,7 +62,7 @@ def build_ops_app(
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await render(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> str:

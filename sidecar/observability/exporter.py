@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -264,6 +264,10 @@ class AdmissionState(Protocol):
 
     def state(self) -> KVState: ...
 
+    def at_snapshot(self) -> tuple[int | None, int | None, int | None]:
+        """Of the last scrape of vLLM: the ledger's predicted blocks, vLLM's, the capacity."""
+        ...
+
     @property
     def snapshot(self) -> EngineSnapshot | None: ...
 
@@ -441,14 +445,15 @@ class StateCollector(Collector):
         self._usage: deque[tuple[float, int]] = deque(maxlen=20)
 
     def on_snapshot(self, relative_error: Histogram) -> None:
-        state = self.admission.state()
+        # after every scrape of vLLM: the scrape's figures alone, not the whole state (whose
+        # peaks are a pass over the ledger)
+        predicted, actual, capacity = self.admission.at_snapshot()
         snap = self.admission.snapshot
-        predicted = state.predicted_at_snapshot_blocks
-        if state.actual_blocks is None or not state.capacity_blocks or snap is None:
+        if actual is None or not capacity or snap is None:
             return
         if predicted is not None:
-            relative_error.observe((predicted - state.actual_blocks) / state.capacity_blocks)
-        self._usage.append((snap.taken_at, state.actual_blocks))
+            relative_error.observe((predicted - actual) / capacity)
+        self._usage.append((snap.taken_at, actual))
 
     def exhaustion_seconds(self, capacity: int, used: int) -> float:
         """Seconds until vLLM's free blocks run out at the recent growth rate (inf: not growing)."""
@@ -464,6 +469,11 @@ class StateCollector(Collector):
         return []  # computed at collect time; skip the registration-time collect
 
     def collect(self) -> Iterable[Metric]:
+        # every family at once: they are one moment's, even when the render gives the loop back
+        # between families (sidecar.observability.exposition)
+        return list(self._families())
+
+    def _families(self) -> Iterator[Metric]:
         state = self.admission.state()
         src = self.sources
         info = src.engine()
