@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -125,11 +126,23 @@ def bench_decision_near_capacity() -> list[float]:
     return per_call(lambda: _decide_near_capacity(ac), repeat=7, number=200)
 
 
-def bench_decision_near_capacity_changed() -> list[float]:
+def _at_margin(margin: int) -> AdmissionController:
+    """Loaded, with the budget ``margin`` blocks over the peak the decision's candidate makes."""
+    ac = loaded_controller()
+    p = project_counts((731,), requested_max_tokens=512, n=1, max_model_len=8192, blocks=BLOCKS)
+    peak = ac.ledger.peak_with(ac.ledger.candidate(p, streamed=True))
+    capacity = math.ceil((peak + margin) / (1 - ac.headroom))
+    ac.on_snapshot(snapshot(num_gpu_blocks=capacity, usage=0.01))
+    return ac
+
+
+def bench_decision_near_capacity_changed(ac: AdmissionController | None = None) -> list[float]:
     """The same, each decision after one request in flight advanced a token (as every decision
-    is when streams run): the profile is rebuilt from the ledger's columns per decision. The
-    call includes that advance."""
-    ac = _near_capacity()
+    is when streams run), so the ledger's profile is out of date: the decision is refused on
+    the bounds kept from the last profile (``sidecar.kv.rows.Bound``), no rebuild. The call
+    includes that advance."""
+    if ac is None:
+        ac = _near_capacity()
     running = list(ac.ledger)
     turn = [0]
 
@@ -140,6 +153,33 @@ def bench_decision_near_capacity_changed() -> list[float]:
         _decide_near_capacity(ac)
 
     return per_call(decide, repeat=7, number=200)
+
+
+def bench_decision_admitted_on_bounds() -> list[float]:
+    """The same with a budget 5,000 blocks over the candidate's peak (2% of it): admitted (and
+    released) on the kept bounds; the profile is rebuilt when the requests' progress since has
+    used that margin up."""
+    return bench_decision_near_capacity_changed(_at_margin(5000))
+
+
+def bench_exact_after_change() -> list[float]:
+    """Where the kept bounds do not settle a decision (the budget between them), the exact peak:
+    a request advanced, then the candidate's peak with the profile rebuilt from the columns.
+    (Timed on the ledger: a decision at that margin flips as the requests advance.)"""
+    ac = loaded_controller()
+    ledger = ac.ledger
+    running = list(ledger)
+    p = project_counts((731,), requested_max_tokens=512, n=1, max_model_len=8192, blocks=BLOCKS)
+    candidate = ledger.candidate(p, streamed=True)
+    turn = [0]
+
+    def exact() -> None:
+        res = running[turn[0] % len(running)]
+        turn[0] += 1
+        ledger.advance(res, res.generated + 1)
+        ledger.peak_with(candidate)
+
+    return per_call(exact, repeat=7, number=200)
 
 
 def bench_refusal() -> list[float]:
@@ -293,9 +333,20 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             50e-6,
         ),
         (
-            "  near capacity, a request advanced since the last decision (profile rebuilt)",
+            "  near capacity, a request advanced since the last decision: refused on the "
+            "kept bounds",
             bench_decision_near_capacity_changed(),
             50e-6,
+        ),
+        (
+            "  the same, admitted on the kept bounds (budget 5,000 blocks over)",
+            bench_decision_admitted_on_bounds(),
+            50e-6,
+        ),
+        (
+            "  the same where the bounds do not settle it: the exact peak (profile rebuilt)",
+            bench_exact_after_change(),
+            None,
         ),
         ("  near capacity, refused with Retry-After (`--policy reject`)", bench_refusal(), None),
         (
