@@ -101,7 +101,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark(
         "serve",
-        "vLLM's own client (vllm bench serve) straight to vLLM and through the sidecar",
+        "vLLM's own client (vllm bench serve) straight to vLLM and through the sidecar "
+        "(--engine sim: the simulated 8B on an H100)",
         "bench.serve",
         "about 20 minutes",
         needs="the vLLM CPU venv",
