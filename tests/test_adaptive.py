@@ -106,6 +106,21 @@ def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_histogram() -
     assert ac.ends(chat(300), "chat:none") == (180,)
 
 
+def test_the_histograms_sum_narrows_its_buckets() -> None:
+    """The same history with its _sum: 7,100 tokens (answers of about 60 and 110, where the
+    buckets spread evenly would sum to about 9,100). The answers are spread over the share of
+    each bucket from its lower bound that sums to that, and the class reserves less than the
+    even spread's 94, yet at least the answers' own 0.75-quantile (60)."""
+    clock = Clock()
+    ac = controller(clock)
+    history = ((20.0, 0.0), (50.0, 0.0), (100.0, 100.0), (200.0, 110.0), (float("inf"), 110.0))
+    ac.on_snapshot(snapshot(clock, generation_lengths=history, generation_lengths_sum=7100.0))
+    assert ac.learner.seeded == 110
+    (end,) = ac.ends(chat(300), "chat:none")
+    assert 60 <= end < 94
+    assert end == 66  # 50 + 1,100 / 3,075 of each answer's even place in (50, 100]
+
+
 def test_history_with_answers_past_the_last_bucket_reserves_to_max_tokens() -> None:
     clock = Clock()
     ac = controller(clock)

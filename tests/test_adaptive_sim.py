@@ -164,9 +164,10 @@ def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_history(
     sim: SimServer,
 ) -> None:
     """vLLM answers 24 completions of 40 tokens first (its vllm:request_generation_tokens
-    histogram: bucket 50). A sidecar started after that reserves a chat without max_tokens to
-    what that history says (the 0.75-quantile bound of it, its answers spread evenly over each
-    bucket), not to the end of the context and not to the cold 256."""
+    histogram: bucket 50, sum 960). A sidecar started after that reserves a chat without
+    max_tokens to what that history says (the 0.75-quantile bound of it, its answers spread over
+    each bucket as the histogram's sum allows), not to the end of the context and not to the
+    cold 256."""
 
     async def answer_directly() -> None:
         async with httpx.AsyncClient(timeout=120) as client:
@@ -184,8 +185,11 @@ def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_history(
     asyncio.run(answer_directly())
     wait_idle(sim)
     history = parse_vllm_metrics(httpx.get(sim.url + "/metrics", timeout=10).text, taken_at=0)
+    assert history.generation_lengths_sum == 24 * 40
     learner = LengthLearner()
-    assert learner.seed(history.generation_lengths) >= 24
+    assert (
+        learner.seed(history.generation_lengths, total_tokens=history.generation_lengths_sum) >= 24
+    )
     expected = learner.bound("chat:none", 0.75)
     assert expected is not None and expected <= 50, history.generation_lengths
     with sidecar(sim, "adaptive") as sc:

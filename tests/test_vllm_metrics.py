@@ -43,6 +43,9 @@ def test_under_load() -> None:
     assert snap.running == 20
     assert snap.preemptions_total == 10.0
     assert snap.generation_tokens_total == 21411.0
+    # the 21 answers finished: their lengths' histogram and its sum
+    assert snap.generation_lengths[-1] == (float("inf"), 21.0)
+    assert snap.generation_lengths_sum == 14050.0
     assert snap.cache_dtype == "auto"
     assert snap.prefix_caching is True
     assert snap.kv_cache_memory_bytes == 1_073_741_824
@@ -67,6 +70,12 @@ def test_idle_after_burst() -> None:
     assert snap.running == 0
     assert snap.preemptions_total == 10.0
     assert snap.generation_tokens_total == 14050.0
+
+
+def test_a_histogram_without_its_sum_reads_as_no_sum() -> None:
+    snap = parse(without_lines(capture("under-load"), "request_generation_tokens_sum"))
+    assert snap.generation_lengths[-1] == (float("inf"), 21.0)
+    assert snap.generation_lengths_sum is None
 
 
 def test_same_answer_as_prometheus_client_on_the_whole_text() -> None:

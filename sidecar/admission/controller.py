@@ -188,6 +188,7 @@ class AdmissionController:
         if self.reservation_mode is not ReservationMode.worst_case and snap.generation_lengths:
             if self.learner.seed(
                 snap.generation_lengths,
+                total_tokens=snap.generation_lengths_sum,
                 at_length=snap.answers_at_length,
                 stopped=snap.answers_stopped,
             ):

@@ -227,6 +227,7 @@ class LengthLearner:
         self,
         histogram: tuple[tuple[float, float], ...],
         *,
+        total_tokens: float | None = None,
         at_length: float = 0.0,
         stopped: float = 0.0,
     ) -> int:
@@ -235,7 +236,8 @@ class LengthLearner:
         beside a vLLM that has answered starts from what vLLM has seen. A bucket's answers are
         spread evenly over its range (vLLM's 1-2-5 buckets are wide: their upper bounds alone
         read a 32..320-token answer mix as 500), the +Inf bucket's run up to max_tokens, in
-        proportion, at most the window's worth; ``at_length`` and ``stopped`` (vLLM's answers by
+        proportion, at most the window's worth; ``total_tokens`` (the histogram's ``_sum``)
+        narrows the spread (:func:`_spread`); ``at_length`` and ``stopped`` (vLLM's answers by
         ``finished_reason``) give :meth:`length_share`. Returns the lengths taken (0 when the
         learner already knows answers)."""
         if self._all or not histogram:
@@ -245,18 +247,15 @@ class LengthLearner:
         if total <= 0:
             return 0
         scale = min(1.0, self._window / total)
+        buckets: list[tuple[float, float, int]] = []  # (lower, upper, answers), +Inf last
         below, lower = 0.0, 0.0
-        taken = 0
         for le, cumulative in histogram:
-            count = round((cumulative - below) * scale)
-            below = cumulative
-            for k in range(count):
-                if le == float("inf"):
-                    self._all.append(UNBOUNDED)
-                else:  # spread evenly over the bucket's range (lower, le]
-                    self._all.append(math.ceil(lower + (le - lower) * (k + 1) / count))
-            taken += count
-            lower = le
+            buckets.append((lower, le, round((cumulative - below) * scale)))
+            below, lower = cumulative, le
+        taken = 0
+        for length in _spread(buckets, None if total_tokens is None else total_tokens * scale):
+            self._all.append(length)
+            taken += 1
         self._likely_all_stale = True
         self._bounds.clear()
         self.seeded = taken
@@ -336,3 +335,44 @@ class LengthLearner:
     def classes(self) -> dict[str, int | None]:
         """Every class seen and its learned length (None: still on the prior)."""
         return {klass: self.learned(klass) for klass in self._lengths}
+
+
+def _spread(buckets: list[tuple[float, float, int]], total: float | None) -> Iterator[int]:
+    """Lengths for a histogram's buckets, ``(lower, upper, count)`` in order (an infinite upper
+    bound: :data:`UNBOUNDED` each): each bucket's answers spread evenly over ``(lower, upper]``,
+    or, when ``total`` (the answers' summed lengths) says they sum to less, over the same share
+    of each bucket from its lower bound, or to more, from its upper bound (where no answer is
+    past the last finite bound: else the +Inf bucket's may hold the rest).
+
+    >>> list(_spread([(0, 10, 2), (10, 100, 2)], None))
+    [5, 10, 55, 100]
+    >>> list(_spread([(0, 10, 2), (10, 100, 2)], 60))  # near the lower bounds
+    [2, 3, 22, 34]
+    >>> list(_spread([(0, 10, 2), (10, 100, 2)], 195))  # near the upper bounds
+    [10, 8, 100, 78]
+    """
+    finite = [(lo, hi, n) for lo, hi, n in buckets if math.isfinite(hi) and n > 0]
+    unbounded = sum(n for _, hi, n in buckets if not math.isfinite(hi))
+    # at the share f of each bucket from its lower bound, k of n at lower + f * width * k / n:
+    # the sum is floor + f * width_sum (f = 1: spread evenly)
+    floor = sum(lo * n for lo, _, n in finite)
+    width_sum = sum((hi - lo) * (n + 1) / 2 for lo, hi, n in finite)
+    share, from_top = 1.0, False
+    if total is not None and width_sum > 0:
+        finite_total = total - unbounded * max((hi for _, hi, _ in finite), default=0.0)
+        if finite_total < floor + width_sum:
+            share = max(0.0, (finite_total - floor) / width_sum)
+        elif not unbounded:  # k of n at upper - f * width * k / n: ceiling - f * down_sum
+            ceiling = sum(hi * n for _, hi, n in finite)
+            down_sum = sum((hi - lo) * (n - 1) / 2 for lo, hi, n in finite)
+            if down_sum > 0:
+                share = max(0.0, min(1.0, (ceiling - total) / down_sum))
+                from_top = True
+    for lo, hi, n in buckets:
+        for k in range(n):
+            if not math.isfinite(hi):
+                yield UNBOUNDED
+            elif from_top:
+                yield min(math.floor(hi), math.ceil(hi - share * (hi - lo) * k / n))
+            else:
+                yield min(math.floor(hi), math.ceil(lo + share * (hi - lo) * (k + 1) / n))

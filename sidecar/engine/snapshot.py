@@ -68,6 +68,7 @@ _ITL_COUNT = "inter_token_latency_seconds_count"
 #: answers' lengths (a histogram: cumulative counts by upper bound ``le``), what a cold sidecar
 #: takes its first expected lengths from
 _GENERATION_BUCKET = "request_generation_tokens_bucket"
+_GENERATION_SUM = "request_generation_tokens_sum"  # ... and their summed lengths
 #: answers by how they ended (``finished_reason``): the share that ran to their max_tokens
 _SUCCESS = "request_success_total"
 #: tokens per engine step (a histogram): its count is the steps the engine made, its sum the
@@ -93,6 +94,7 @@ _WANTED = frozenset(
         _ITL_SUM,
         _ITL_COUNT,
         _GENERATION_BUCKET,
+        _GENERATION_SUM,
         _SUCCESS,
         _STEP_TOKENS_SUM,
         _STEPS,
@@ -142,6 +144,7 @@ class EngineSnapshot:
     #: ``vllm:request_generation_tokens``: (upper bound, cumulative count) per bucket, +Inf last,
     #: summed over engines (the lengths of every answer vLLM finished since it started)
     generation_lengths: tuple[tuple[float, float], ...] = ()
+    generation_lengths_sum: float | None = None  # the same histogram's sum (None: not given)
     answers_at_length: float = 0.0  # answers that ran to their max_tokens (finished "length")
     answers_stopped: float = 0.0  # answers that ended on their own (finished "stop")
     steps_total: float = 0.0  # engine steps made since vLLM started
@@ -263,6 +266,9 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         inter_token_latency_sum=_total(by_name, _ITL_SUM),
         inter_token_latency_count=_total(by_name, _ITL_COUNT),
         generation_lengths=tuple(sorted(lengths.items())),
+        generation_lengths_sum=_total(by_name, _GENERATION_SUM)
+        if _GENERATION_SUM in by_name
+        else None,
         answers_at_length=ended.get("length", 0.0),
         answers_stopped=ended.get("stop", 0.0),
         steps_total=_total(by_name, _STEPS),
