@@ -126,6 +126,8 @@ class _Seq:
     min_tokens: int
     num_logprobs: int | None = None
     max_tokens: int | None = None
+    #: a preempted request's tokens to compute again: positions below this one are recompute
+    recompute_until: int = 0
 
 
 @dataclass
@@ -215,6 +217,8 @@ class SimEngine:
         self.token_id = int(os.environ.get(ENV_TOKEN, DEFAULT_TOKEN_ID))
         self.seqs: dict[str, _Seq] = {}
         self.simulated_seconds = 0.0
+        self.recomputed_tokens = 0  # tokens of preempted requests computed again ...
+        self.recompute_seconds = 0.0  # ... and what they added to their steps' cost model time
         self.last_step: StepRecord | None = None
         #: paces the steps; its cpu_lag_seconds are the wall seconds by which busy steps ended
         #: later than the simulated GPU (dilated by the time scale) would have finished them:
@@ -352,6 +356,7 @@ class SimEngine:
             # prefill_token_ids hold the prompt and what it had generated
             total = len(new.prefill_token_ids) if new.prefill_token_ids is not None else prompt
             self.seqs[new.req_id] = _Seq(
+                recompute_until=total if total > prompt else 0,
                 prompt_tokens=prompt,
                 output_tokens=max(0, total - prompt),
                 computed_tokens=new.num_computed_tokens,
@@ -366,9 +371,12 @@ class SimEngine:
             seq = self.seqs.get(req_id)
             if seq is None:
                 continue
-            seq.computed_tokens = cached.num_computed_tokens[i]
+            computed = cached.num_computed_tokens[i]
             if i < len(cached.num_output_tokens):
                 seq.output_tokens = cached.num_output_tokens[i]
+            if computed < seq.computed_tokens:  # preempted and resumed (model runner V1)
+                seq.recompute_until = seq.prompt_tokens + seq.output_tokens
+            seq.computed_tokens = computed
 
     def step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         arrived = time.monotonic()
@@ -381,10 +389,18 @@ class SimEngine:
         batch: list[sim_cost.SeqWork] = []
         max_model_len = self.model_config.max_model_len
         continues = False  # some request goes on after this step: the engine stays busy
+        fresh: list[sim_cost.SeqWork] = []  # the batch less what recomputes a preempted request
+        recomputed = 0
         for req_id in req_ids:
             n = so.num_scheduled_tokens[req_id]
             seq = self.seqs[req_id]
             batch.append(sim_cost.SeqWork(new_tokens=n, context_tokens=seq.computed_tokens))
+            again = min(n, max(0, seq.recompute_until - seq.computed_tokens))
+            recomputed += again
+            if n > again:
+                fresh.append(
+                    sim_cost.SeqWork(n - again, context_tokens=seq.computed_tokens + again)
+                )
             seq.computed_tokens += n
             if seq.computed_tokens < seq.prompt_tokens + seq.output_tokens:
                 sampled.append([])  # a partial prefill chunk samples nothing
@@ -405,6 +421,13 @@ class SimEngine:
         cost = sim_cost.step_cost(
             self.shape, self.gpu, batch, tp=self.tp, kv_dtype_bytes=self.kv_dtype_bytes
         )
+        if recomputed:
+            # what the step would have cost without the recompute: the preemptions' price
+            rest = sim_cost.step_cost(
+                self.shape, self.gpu, fresh, tp=self.tp, kv_dtype_bytes=self.kv_dtype_bytes
+            )
+            self.recomputed_tokens += recomputed
+            self.recompute_seconds += cost.seconds - rest.seconds
         seconds = self._sleep(arrived, cost.seconds)
         # a pause for a manual grant is the test's time, not the engine's CPU lag
         self._busy = continues and self.mode != "manual"
@@ -475,6 +498,8 @@ class SimEngine:
             "waiting": self.gate.waiting,
             "running": len(self.seqs),
             "simulated_seconds": self.simulated_seconds,
+            "recomputed_tokens": self.recomputed_tokens,
+            "recompute_seconds": self.recompute_seconds,
             "time_scale": self.clock.time_scale,
             "cpu_lag_seconds": self.cpu_lag_seconds,
             "cpu_lag_simulated_seconds": self.cpu_lag_seconds / self.clock.time_scale,

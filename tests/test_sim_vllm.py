@@ -394,6 +394,7 @@ def test_a_burst_over_the_pool_preempts(sim: SimServer) -> None:
     request can end first, however slowly this machine sends them), then runs at 1 ms a step."""
     num_blocks = int(cache_config(sim)["num_gpu_blocks"])
     before = metrics(sim).get("vllm:num_preemptions_total", 0)
+    state0 = sim.state()
     count, output = 16, 400
     # each request reaches about (200 + 400) / 16 = 38 blocks; 16 of them want ~600 > the pool
     prompts = [f"burst {i} " + "the cache block token " * 40 for i in range(count)]
@@ -437,6 +438,14 @@ def test_a_burst_over_the_pool_preempts(sim: SimServer) -> None:
     assert demand > 2 * num_blocks
     after = metrics(sim)["vllm:num_preemptions_total"]
     assert after > before
+    # each preemption is paid for by computing the request again when it resumes: at least
+    # its last token (what the prefix cache kept is not computed again), at most its prompt
+    # and all it had generated; the cost model prices those tokens
+    state = sim.state()
+    recomputed = state["recomputed_tokens"] - state0["recomputed_tokens"]
+    longest = max(r["usage"]["prompt_tokens"] for r in results) + output
+    assert after - before <= recomputed <= (after - before) * longest, (recomputed, after - before)
+    assert state["recompute_seconds"] > state0["recompute_seconds"]
 
 
 #: (config, GPU, tensor parallel, max model len): the pools the issue names, each sized by

@@ -174,7 +174,8 @@ def run_part(
                     f"goodput {f['goodput_tps']:.0f} tok/s, {f['preemptions']:.0f} preemptions, "
                     f"running {f['running_mean'] or 0:.1f}, E2E p99 {f['e2e_p99'] or 0:.1f} s, "
                     f"CPU lag {f['cpu_lag_seconds']:.2f} of {f['gpu_busy_seconds']:.1f} s, "
-                    f"{run['seconds']:.0f} s wall"
+                    f"recompute {f['recompute_seconds'] or 0:.2f} s "
+                    f"({f['recomputed_tokens'] or 0:.0f} tokens), {run['seconds']:.0f} s wall"
                 )
                 part["runs"].setdefault(config, []).append(run)
                 raw["minutes"] = (time.monotonic() - raw["_started"]) / 60

@@ -61,6 +61,13 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
         "gpu_busy_seconds": busy,
         "steps": engine["steps"],
         "cpu_lag_seconds": lag,
+        # what preempted requests' recompute added to the steps (the cost model's seconds;
+        # absent from runs before it was recorded)
+        "recomputed_tokens": engine.get("recomputed_tokens"),
+        "recompute_seconds": engine.get("recompute_seconds"),
+        "recompute_share": (
+            engine["recompute_seconds"] / busy if "recompute_seconds" in engine and busy else None
+        ),
         # the share of the run's simulated span that this machine's CPU, not the cost model,
         # set (the engine core's part: the API server's own lag is not in it)
         "cpu_lag_share": lag / seconds if seconds else None,

@@ -112,7 +112,14 @@ def run_config(config: str, wl: SimWorkload, sim: SimServer) -> dict[str, Any]:
         "preemptions": after - before,
         "seconds": t1 - t0,
         "engine": {
-            k: state1[k] - state0[k] for k in ("steps", "simulated_seconds", "cpu_lag_seconds")
+            k: state1[k] - state0[k]
+            for k in (
+                "steps",
+                "simulated_seconds",
+                "cpu_lag_seconds",
+                "recomputed_tokens",
+                "recompute_seconds",
+            )
         },
         "outcomes": [asdict(o) for o in outcomes],
         "samples": samples,
