@@ -338,6 +338,15 @@ def peak_blocks(input_lens: list[int], output_lens: list[int]) -> int:
     )
 
 
+ENGINE_COUNTERS = (
+    "steps",
+    "simulated_seconds",
+    "cpu_lag_seconds",
+    "recomputed_tokens",
+    "recompute_seconds",
+)
+
+
 def sim_run(config: str, workload: str, sim: SimServer, args: argparse.Namespace) -> dict[str, Any]:
     """One configuration on one workload: the client's result (its per-request lists but the
     ITLs), vLLM's preemptions and the simulated engine's clock over the run."""
@@ -357,9 +366,8 @@ def sim_run(config: str, workload: str, sim: SimServer, args: argparse.Namespace
         client_flags=client_flags,
         errors=sorted({e[:200] for e in result["errors"]})[:5],
         wall_seconds=time.monotonic() - started,
-        engine={
-            k: state1[k] - state0[k] for k in ("steps", "simulated_seconds", "cpu_lag_seconds")
-        },
+        # the engine's counters over the run (the recompute ones where its executor has them)
+        engine={k: state1[k] - state0[k] for k in ENGINE_COUNTERS if k in state1},
     )
     return keep
 
@@ -374,6 +382,8 @@ def sim_figures(run: dict[str, Any]) -> dict[str, Any]:
         "preemptions": run["preemptions"],
         "output_tps": run["output_throughput"] * scale,
         "slo_goodput_rps": (run.get("request_goodput") or 0.0) * scale,
+        # the requests that met both SLOs (the client's goodput times its duration)
+        "slo_met": round((run.get("request_goodput") or 0.0) * run["duration"]),
         "max_concurrent": run.get("max_concurrent_requests"),
         "duration": run["duration"] / scale,
         "cpu_lag_seconds": run["engine"]["cpu_lag_seconds"] / scale,
@@ -498,6 +508,7 @@ SIM_COLUMNS = (
     ("preemptions", "preemptions", 0),
     ("output_tps", "output tok/s", 0),
     ("slo_goodput_rps", "SLO goodput req/s", 2),
+    ("slo_met", "met SLOs", 0),
     ("ttft_p50", "TTFT p50 ms", 0),
     ("ttft_p99", "TTFT p99 ms", 0),
     ("tpot_p50", "TPOT p50 ms", 1),
@@ -563,10 +574,16 @@ def sim_report(raw: dict[str, Any]) -> str:
     for workload, figs in parts.items():
         d = figs.get("direct")
         first = next(r for r in raw["runs"] if r["workload"] == workload)
-        peak = peak_blocks(first.get("input_lens", []), first.get("output_lens", []))
+        ins, outs = first.get("input_lens", []), first.get("output_lens", [])
+        what = (
+            f"all at once; every prompt and its whole answer would hold "
+            f"{peak_blocks(ins, outs):,} blocks"
+            if workload == "burst"
+            else f"Poisson arrivals at {a['poisson_rate']:g}/s simulated"
+        )
         lines += [
-            f"`{workload}` (the client's requests peak at {peak:,} blocks: every prompt and its "
-            "whole answer at once):",
+            f"`{workload}`: {a['num_prompts']} prompts of {min(ins):,}-{max(ins):,} tokens, "
+            f"answers of {min(outs):,}-{max(outs):,}, {what}:",
             "",
         ]
         header = ["configuration", "completed", *(label for _, label, _ in SIM_COLUMNS)]
