@@ -41,6 +41,7 @@ Every efficiency is a named constant below with its source; none is calibrated o
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -495,3 +496,53 @@ class StepClock:
         self._prev_end = actual_end
         self._prev_wall = wall
         return wall
+
+
+class StepGate:
+    """Manual stepping: a step runs only when granted; the test side waits for steps to run.
+
+    ``manual`` off (a free-running mode), ``acquire`` returns at once: switching modes at run
+    time releases a step that was waiting for a grant.
+    """
+
+    def __init__(self, manual: bool) -> None:
+        self._cond = threading.Condition()
+        self.manual = manual
+        self.granted = 0
+        self.steps = 0
+        self.waiting = False
+
+    def set_manual(self, manual: bool) -> None:
+        with self._cond:
+            self.manual = manual
+            self.granted = 0
+            self._cond.notify_all()
+
+    def acquire(self) -> None:
+        with self._cond:
+            self.waiting = True
+            self._cond.notify_all()
+            while self.manual and self.granted == 0:
+                self._cond.wait()
+            if self.manual:
+                self.granted -= 1
+            self.waiting = False
+
+    def finished_step(self) -> None:
+        with self._cond:
+            self.steps += 1
+            self._cond.notify_all()
+
+    def grant(self, n: int, timeout: float) -> bool:
+        """Let ``n`` more steps run; True once they have (False at the timeout)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            target = self.steps + self.granted + n
+            self.granted += n
+            self._cond.notify_all()
+            while self.steps < target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True

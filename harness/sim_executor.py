@@ -142,56 +142,6 @@ class StepRecord:
     attention_seconds: float
 
 
-class StepGate:
-    """Manual stepping: a step runs only when granted; the test side waits for steps to run.
-
-    ``manual`` off (a free-running mode), ``acquire`` returns at once: switching modes at run
-    time releases a step that was waiting for a grant.
-    """
-
-    def __init__(self, manual: bool) -> None:
-        self._cond = threading.Condition()
-        self.manual = manual
-        self.granted = 0
-        self.steps = 0
-        self.waiting = False
-
-    def set_manual(self, manual: bool) -> None:
-        with self._cond:
-            self.manual = manual
-            self.granted = 0
-            self._cond.notify_all()
-
-    def acquire(self) -> None:
-        with self._cond:
-            self.waiting = True
-            self._cond.notify_all()
-            while self.manual and self.granted == 0:
-                self._cond.wait()
-            if self.manual:
-                self.granted -= 1
-            self.waiting = False
-
-    def finished_step(self) -> None:
-        with self._cond:
-            self.steps += 1
-            self._cond.notify_all()
-
-    def grant(self, n: int, timeout: float) -> bool:
-        """Let ``n`` more steps run; True once they have (False at the timeout)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            target = self.steps + self.granted + n
-            self.granted += n
-            self._cond.notify_all()
-            while self.steps < target:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
-
-
 class SimEngine:
     """The simulated model runner: KV spec, memory, and one step's tokens and time."""
 
@@ -212,7 +162,7 @@ class SimEngine:
         self.mode = "roofline"
         self.fixed_step_seconds: float | None = None
         self._busy = False
-        self.gate = StepGate(manual=False)
+        self.gate = sim_cost.StepGate(manual=False)
         self.set_mode(os.environ.get(ENV_STEP, "roofline"))
         self.token_id = int(os.environ.get(ENV_TOKEN, DEFAULT_TOKEN_ID))
         self.seqs: dict[str, _Seq] = {}
@@ -389,18 +339,12 @@ class SimEngine:
         batch: list[sim_cost.SeqWork] = []
         max_model_len = self.model_config.max_model_len
         continues = False  # some request goes on after this step: the engine stays busy
-        fresh: list[sim_cost.SeqWork] = []  # the batch less what recomputes a preempted request
-        recomputed = 0
+        again: list[int] = []  # per request, the tokens it computes again (it was preempted)
         for req_id in req_ids:
             n = so.num_scheduled_tokens[req_id]
             seq = self.seqs[req_id]
             batch.append(sim_cost.SeqWork(new_tokens=n, context_tokens=seq.computed_tokens))
-            again = min(n, max(0, seq.recompute_until - seq.computed_tokens))
-            recomputed += again
-            if n > again:
-                fresh.append(
-                    sim_cost.SeqWork(n - again, context_tokens=seq.computed_tokens + again)
-                )
+            again.append(min(n, max(0, seq.recompute_until - seq.computed_tokens)))
             seq.computed_tokens += n
             if seq.computed_tokens < seq.prompt_tokens + seq.output_tokens:
                 sampled.append([])  # a partial prefill chunk samples nothing
@@ -418,16 +362,13 @@ class SimEngine:
                 or (seq.max_tokens is not None and seq.output_tokens >= seq.max_tokens)
                 or seq.prompt_tokens + seq.output_tokens >= max_model_len
             )
-        cost = sim_cost.step_cost(
-            self.shape, self.gpu, batch, tp=self.tp, kv_dtype_bytes=self.kv_dtype_bytes
-        )
-        if recomputed:
-            # what the step would have cost without the recompute: the preemptions' price
-            rest = sim_cost.step_cost(
-                self.shape, self.gpu, fresh, tp=self.tp, kv_dtype_bytes=self.kv_dtype_bytes
-            )
-            self.recomputed_tokens += recomputed
-            self.recompute_seconds += cost.seconds - rest.seconds
+        cost = self._cost(batch)
+        if any(again):  # the preemptions' price: what the step costs over the batch without it
+            pairs = zip(batch, again, strict=True)
+            fresh = [sim_cost.SeqWork(w.new_tokens - a, w.context_tokens + a) for w, a in pairs]
+            fresh = [w for w in fresh if w.new_tokens > 0]
+            self.recomputed_tokens += sum(again)
+            self.recompute_seconds += cost.seconds - self._cost(fresh).seconds
         seconds = self._sleep(arrived, cost.seconds)
         # a pause for a manual grant is the test's time, not the engine's CPU lag
         self._busy = continues and self.mode != "manual"
@@ -446,6 +387,11 @@ class SimEngine:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             logprobs=self._logprobs(req_ids, sampled),
+        )
+
+    def _cost(self, batch: list[sim_cost.SeqWork]) -> sim_cost.StepCost:
+        return sim_cost.step_cost(
+            self.shape, self.gpu, batch, tp=self.tp, kv_dtype_bytes=self.kv_dtype_bytes
         )
 
     def _logprobs(self, req_ids: list[str], sampled: list[list[int]]) -> LogprobsLists | None:
