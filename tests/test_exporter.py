@@ -19,12 +19,12 @@ from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.cgroup import cgroup_quota_cores, cpu_limit_cores, parse_cpu_max
 from sidecar.config import ReservationMode
-from sidecar.engine.discovery import EngineConfig
 from sidecar.http.workers.owner import WorkersCollector
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import project_counts
 from sidecar.observability.exporter import Metrics
+from tests.support.exporter import build_metrics
 from tests.support.snapshots import Clock, snapshot
 
 DOCS = Path(__file__).parent.parent / "docs" / "metrics.md"
@@ -45,31 +45,10 @@ def documented_names() -> set[str]:
 
 
 def build() -> tuple[CollectorRegistry, Metrics, AdmissionController, Clock]:
-    clock = Clock()
-    ac = AdmissionController(
-        Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.0, policy="queue", stale_after=5
-    )
-    registry = CollectorRegistry()
-    metrics = Metrics(
-        registry,
-        ac,
-        engine=lambda: EngineConfig(
-            model="tiny",
-            max_model_len=1024,
-            block_size=128,
-            num_gpu_blocks=64,
-            cache_dtype="auto",
-            prefix_caching=True,
-            blocks=UniformBlocks(128, 131_072),
-            bytes_per_block=131_072,
-        ),
-        vllm_up=lambda: True,
-        ready=lambda: True,
-        scrape_errors=lambda: 3,
+    return build_metrics(
+        scrape_errors=3,
         config_labels={"policy": "queue", "reservation": "worst-case", "headroom": "0.0"},
-        clock=clock,
     )
-    return registry, metrics, ac, clock
 
 
 def test_state_gauges_follow_the_ledger_and_the_engine() -> None:

@@ -15,13 +15,11 @@ from prometheus_client.registry import Collector
 
 from sidecar.admission.ask import Ask, KVState
 from sidecar.admission.controller import AdmissionController
-from sidecar.config import Policy
-from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.geometry import UniformBlocks
-from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import project_counts
 from sidecar.observability.exporter import Metrics
 from sidecar.observability.exposition import render
+from tests.support.exporter import build_metrics
 from tests.support.snapshots import Clock, snapshot
 
 BLOCKS = UniformBlocks(128, 131_072)
@@ -81,31 +79,7 @@ def test_the_render_gives_the_loop_back_once_a_slice_is_spent() -> None:
 def build(
     ready: Callable[[], bool] = lambda: True,
 ) -> tuple[CollectorRegistry, Metrics, AdmissionController, Clock]:
-    clock = Clock()
-    ac = AdmissionController(
-        Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.0, policy=Policy.queue, stale_after=5
-    )
-    registry = CollectorRegistry()
-    metrics = Metrics(
-        registry,
-        ac,
-        engine=lambda: EngineConfig(
-            model="tiny",
-            max_model_len=1024,
-            block_size=128,
-            num_gpu_blocks=64,
-            cache_dtype="auto",
-            prefix_caching=True,
-            blocks=BLOCKS,
-            bytes_per_block=131_072,
-        ),
-        vllm_up=lambda: True,
-        ready=ready,
-        scrape_errors=lambda: 0,
-        config_labels={"policy": "queue"},
-        clock=clock,
-    )
-    return registry, metrics, ac, clock
+    return build_metrics(ready=ready)
 
 
 def admit(ac: AdmissionController, count: int) -> None:
