@@ -56,6 +56,8 @@ def _values(collector: object) -> dict[str, float]:
 def test_a_processs_figures_are_prometheus_clients(children: list[subprocess.Popen[str]]) -> None:
     pid = children[0].pid
     ours = process_tree.ProcessReader().read(pid, limits=True)
+    ticks = ours.pop(process_tree.TICKS)  # ours alone: the CPU in whole clock ticks
+    assert ticks == int(ticks) and ours[process_tree.CPU] == ticks / os.sysconf("SC_CLK_TCK")
     theirs = _values(ProcessCollector(pid=lambda: pid, registry=None))
     assert set(ours) == set(theirs)
     assert ours["process_open_fds"] == theirs["process_open_fds"] >= 2 * CHILD_PIPES

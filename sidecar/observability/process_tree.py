@@ -44,6 +44,9 @@ _OWNER = {
     "process_max_fds": "Maximum number of open file descriptors.",
 }
 CPU = "process_cpu_seconds_total"
+#: the same in clock ticks, a whole number: sums of these are exact, so the total never steps
+#: back when a process's share moves from the living to the exited ones
+TICKS = "cpu_ticks"
 PROC = "/proc"
 
 
@@ -90,7 +93,8 @@ class ProcessReader:
             out["process_virtual_memory_bytes"] = float(parts[20])
             out["process_resident_memory_bytes"] = float(parts[21]) * self.pagesize
             out["process_start_time_seconds"] = float(parts[19]) / self.ticks + self.btime
-            out[CPU] = (float(parts[11]) + float(parts[12])) / self.ticks
+            out[TICKS] = float(int(parts[11]) + int(parts[12]))
+            out[CPU] = out[TICKS] / self.ticks
         except OSError:
             return {}
         try:
@@ -115,7 +119,7 @@ class ProcessTreeCollector(Collector):
     ) -> None:
         self.children = children
         self.reader = ProcessReader(proc)
-        self._cpu_seen: dict[int, float] = {}  # the last CPU seconds read per worker pid
+        self._cpu_seen: dict[int, float] = {}  # the last CPU ticks read per worker pid
         self._cpu_gone = 0.0  # of workers that have exited
 
     def describe(self) -> Iterable[Metric]:
@@ -133,7 +137,7 @@ class ProcessTreeCollector(Collector):
                 continue
             for name in totals:
                 totals[name] += samples.get(name, 0.0)
-            alive[pid] = samples[CPU]
+            alive[pid] = samples[TICKS]
         for pid, seconds in self._cpu_seen.items():
             if pid not in alive:
                 self._cpu_gone += seconds
@@ -143,7 +147,7 @@ class ProcessTreeCollector(Collector):
             "process_cpu_seconds",
             "Total user and system CPU time spent in seconds"
             + ("." if alone else ", summed over the processes."),
-            value=own[CPU] + self._cpu_gone + sum(alive.values()),
+            value=(own[TICKS] + self._cpu_gone + sum(alive.values())) / self.reader.ticks,
         )
         for name, doc in (_ALONE if alone else _SUMMED).items():
             if name in totals:
