@@ -48,6 +48,7 @@ class Policy(_Choice):
     reject = "reject"  # 429 at once
     queue = "queue"  # wait for room, up to --max-queue-wait
     observe = "observe"  # forward anyway and measure: a dry run
+    spill = "spill"  # queue a short expected wait, 429 at once on a longer one (behind a gateway)
 
 
 class ReservationMode(_Choice):
@@ -99,6 +100,10 @@ class Settings(BaseSettings):
     """Proxy port: clients talk to this instead of vLLM."""
     metrics_port: int = Field(default=9091, ge=0, le=65535)
     """Port of the sidecar's own /metrics, /healthz and /readyz."""
+    agent_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the HAProxy agent-check server: it answers each check with a weight from the KV
+    headroom the trajectories project, and ``drain`` while the sidecar shuts down
+    (deploy/gateway/haproxy.cfg). Unset: no agent."""
 
     model_config_path: Path | None = Field(
         default=None,
@@ -127,6 +132,11 @@ class Settings(BaseSettings):
     anyway and only measure (observe: a dry run that changes no traffic)."""
     max_queue_wait: float = Field(default=30.0, ge=0)
     """Seconds a request may wait in the queue before it gets 429 queue_timeout."""
+    spill_wait: float = Field(default=2.0, ge=0)
+    """--policy spill: a request whose expected wait here (from the trajectories) is longer than
+    this many seconds is refused at once with 429 and Retry-After, so that a gateway that retries
+    another replica on 429 finds one with room; a shorter wait is queued (up to
+    --max-queue-wait)."""
     max_queue_depth: int = Field(default=256, ge=0)
     """Requests the queue holds; beyond it new ones get 429 queue_full."""
     max_concurrent_counts: int | None = Field(default=None, gt=0)
