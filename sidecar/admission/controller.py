@@ -167,6 +167,11 @@ class AdmissionController:
         return sum(pool.view.external_blocks for pool in self.pools)
 
     @property
+    def queued_peak_blocks(self) -> int:
+        """The projected peaks of the requests waiting in the queue (read by the HAProxy agent)."""
+        return self._queued_peak_blocks
+
+    @property
     def preemptions_seen(self) -> float:
         return sum(pool.view.preemptions_seen for pool in (*self.pools, *self._retired.values()))
 
