@@ -263,9 +263,9 @@ def test_the_kept_bounds_hold_the_peak_through_every_change(
     share: bool,
 ) -> None:
     """Between rebuilds (the profile is built only where an operation asks, as a decision or
-    a scrape would), the bounds kept from the last build hold the exact peak, with and
-    without candidates, in both modes: requests added, started, advanced (past their reserved
-    end too) and released, prefixes shared, n > 1, several groups."""
+    a scrape would), the bounds kept from the last build, coarse and fine, hold the exact
+    peak, with and without candidates, in both modes: requests added, started, advanced (past
+    their reserved end too) and released, prefixes shared, n > 1, several groups."""
     blocks = UniformBlocks(size) if caps == (None,) else Groups(size, caps)
     ledger = Ledger(blocks, share_prefixes=share)
     held: list[Reservation] = []
@@ -285,9 +285,12 @@ def test_the_kept_bounds_hold_the_peak_through_every_change(
                 ledger.release(res)
         for worst_case in (False, True):
             for extra in ((), tuple(cands)):
-                least, most = ledger.peak_bounds(*extra, worst_case=worst_case)
                 exact = _laid_out(ledger, *extra, worst_case=worst_case)
-                assert least <= exact <= most, (least, exact, most)
+                fine = ledger.peak_bounds(*extra, worst_case=worst_case)
+                coarse = ledger.peak_bounds(*extra, worst_case=worst_case, coarse=True)
+                assert fine[0] <= exact <= fine[1], (fine, exact)
+                # the coarse bounds (no pass over the profile) hold it too, and the fine ones
+                assert coarse[0] <= fine[0] and fine[1] <= coarse[1], (coarse, fine)
 
 
 def test_a_decision_settled_by_the_bounds_rebuilds_nothing() -> None:

@@ -110,12 +110,14 @@ def fits(
         alone = future_peak(ledger.trajectories([candidate], in_flight=False), ledger.blocks)
         if alone > budget:
             return len(ledger) == 0 and pool.external_blocks == 0
-    # the kept bounds first: while streams advance they settle most decisions without a rebuild
-    least, most = ledger.peak_bounds(candidate)
-    if committed_blocks(most, pool, prompt_blocks=prompt) <= budget:
-        return True
-    if committed_blocks(least, pool, prompt_blocks=prompt) > budget:
-        return False
+    # the kept bounds first, coarse then fine: while streams advance they settle most decisions
+    # without a pass over the profile or a rebuild
+    for coarse in (True, False):
+        least, most = ledger.peak_bounds(candidate, coarse=coarse)
+        if committed_blocks(most, pool, prompt_blocks=prompt) <= budget:
+            return True
+        if committed_blocks(least, pool, prompt_blocks=prompt) > budget:
+            return False
     peak = in_flight_peak(ledger, candidate)
     return committed_blocks(peak, pool, prompt_blocks=prompt) <= budget
 

@@ -318,20 +318,22 @@ class Ledger:
             for i, prompt in enumerate(p.prompt_tokens)
         )
 
-    def peak_bounds(self, *extra: Reservation, worst_case: bool = False) -> tuple[int, int]:
+    def peak_bounds(
+        self, *extra: Reservation, worst_case: bool = False, coarse: bool = False
+    ) -> tuple[int, int]:
         """The least and the most :meth:`peak_with` can be: both the exact peak when the ledger
         is unchanged since its profile was built, else the kept profile's bounds after the
         changes since (``sidecar.kv.rows.Bound``), and the exact peak where those were
-        dropped. A decision the bounds settle needs no rebuild."""
+        dropped. A decision the bounds settle needs no rebuild. ``coarse``: looser bounds
+        without a pass over the profile (``sidecar.kv.rows.Profile.coarse_with``), the ledger
+        changed or not; ask them first, and the others only where they do not settle it."""
         cached = self._profiles.get(worst_case)
         bound = self._bounds.get(worst_case)
-        if (
-            self._uncapped
-            and (cached is None or cached[0] != self.version)
-            and bound is not None
-            and bound.valid
-        ):
-            return bound.peak_with(extra, self.blocks, worst_case=worst_case)
+        if self._uncapped and bound is not None and bound.valid:
+            if coarse:  # a bound kept since the last build (a fresh one if nothing changed)
+                return bound.peak_with(extra, self.blocks, worst_case=worst_case, coarse=True)
+            if cached is None or cached[0] != self.version:
+                return bound.peak_with(extra, self.blocks, worst_case=worst_case)
         peak = self.peak_with(*extra, worst_case=worst_case)
         return peak, peak
 

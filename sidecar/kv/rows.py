@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -264,10 +264,40 @@ class Profile:
     steps: IntArray
     values: IntArray
     owners: dict[int, float] | None
+    #: the peak and the step it is at (-1: after every end), taken once at the build
+    top: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.values):
+            at = int(self.values.argmax())
+            top = (int(self.values[at]), int(self.steps[at]))
+        else:
+            top = (0, -1)
+        object.__setattr__(self, "top", top)
 
     @property
     def peak(self) -> int:
-        return int(self.values.max()) if len(self.values) else 0
+        return self.top[0]
+
+    def coarse_with(
+        self, candidates: Iterable[Reservation], blocks: BlockMath, *, worst_case: bool = False
+    ) -> tuple[int, int]:
+        """The least and the most :meth:`peak_with` can be, in ``O(1)`` per candidate: an
+        unstarted candidate adds at most its blocks at its end at any step, and at least what
+        it holds at the profile's peak step (nothing counted there where it may share a
+        prompt: shared blocks only lower the sum)."""
+        peak, at = self.top
+        least = most = peak
+        for cand in candidates:
+            p = cand.projection
+            shares = self.owners is not None and cand.prefix is not None
+            for i, prompt in enumerate(p.prompt_tokens):
+                end = p.max_tokens[i] if worst_case else cand.end(i)
+                most += p.n * blocks.blocks_for_tokens(prompt + end)
+                if not shares:
+                    held = end if at < 0 else min(at, end)
+                    least += p.n * blocks.blocks_for_tokens(prompt + held)
+        return least, most
 
     def peak_with(
         self, candidates: Iterable[Reservation], blocks: BlockMath, *, worst_case: bool = False
@@ -365,12 +395,20 @@ class Bound:
         return False
 
     def peak_with(
-        self, candidates: Iterable[Reservation], blocks: BlockMath, *, worst_case: bool
+        self,
+        candidates: Iterable[Reservation],
+        blocks: BlockMath,
+        *,
+        worst_case: bool,
+        coarse: bool = False,
     ) -> tuple[int, int]:
-        """The least and the most the peak with ``candidates`` can be."""
+        """The least and the most the peak with ``candidates`` can be (``coarse``: looser, from
+        :meth:`Profile.coarse_with`, without a pass over the profile's steps)."""
         extra = [*self.pending, *candidates]
-        if extra:
-            peak = self.profile.peak_with(extra, blocks, worst_case=worst_case)
+        if not extra:
+            least = most = self.profile.peak
+        elif coarse:
+            least, most = self.profile.coarse_with(extra, blocks, worst_case=worst_case)
         else:
-            peak = self.profile.peak
-        return max(0, peak - self.drop), peak + self.slack
+            least = most = self.profile.peak_with(extra, blocks, worst_case=worst_case)
+        return max(0, least - self.drop), most + self.slack
