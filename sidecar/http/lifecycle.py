@@ -3,9 +3,10 @@ sequence of the single process and of the relay workers' owner.
 
 :class:`ReadyCheck` is ``/readyz``'s verdict and its reasons. :func:`drain` stops admitting and
 gives what runs (and queued requests that can still start) a deadline to finish.
-:func:`serve_until_stopped` runs this process's uvicorn servers until the first SIGTERM or SIGINT,
-or a permanent configuration error, then drains the :class:`Service` and stops it; a second
-signal stops at once. The error is raised once everything has stopped (the CLI prints it).
+:func:`serve_until_stopped` runs this process's servers (uvicorn's, and the HAProxy agent's) until
+the first SIGTERM or SIGINT, or a permanent configuration error, then drains the :class:`Service`
+and stops it; a second signal stops at once. The error is raised once everything has stopped (the
+CLI prints it).
 
     code = await serve_until_stopped(sidecar, [proxy, ops], stop_timeout_seconds=10)
 """
@@ -25,7 +26,6 @@ from sidecar.engine.scraper import Scraper
 from sidecar.errors import ConfigError
 from sidecar.http.ops import Readiness, finite
 from sidecar.http.seams import Traffic
-from sidecar.http.serving import Server
 
 log = logging.getLogger("sidecar")
 
@@ -66,6 +66,22 @@ class ReadyCheck:
             and self.scraper.age() <= self.stale_after_seconds
             and (self.relays_ready is None or self.relays_ready())
         )
+
+    def why_not(self) -> str:
+        """Why the pod is not ready, in a few words ("" when it is): for the HAProxy agent."""
+        if self.traffic.draining:
+            return "draining"
+        if not self.discovered():
+            return f"engine not found yet: {self.discovery_error() or 'asking vLLM'}"
+        if not self.health.healthy:
+            return "vLLM not healthy"
+        if self.scraper.latest is None:
+            return "no scrape of vLLM's metrics yet"
+        if self.scraper.age() > self.stale_after_seconds:
+            return f"vLLM's metrics {self.scraper.age():.0f}s old"
+        if self.relays_ready is not None and not self.relays_ready():
+            return "relay workers not ready"
+        return ""
 
     def report(self) -> Readiness:
         """The verdict with its reasons; ``last_error``: the latest failed scrape, else (while
@@ -111,6 +127,17 @@ async def drain(admission: AdmissionController, traffic: Traffic, deadline_secon
         log.info("drained")
 
 
+class Serving(Protocol):
+    """A server :func:`serve_until_stopped` runs: a uvicorn server, or the HAProxy agent."""
+
+    should_exit: bool
+    force_exit: bool
+    started: bool
+
+    async def serve(self) -> None:
+        """Serve until ``should_exit``; ``started`` once listening."""
+
+
 class Service(Protocol):
     """What :func:`serve_until_stopped` runs: the sidecar, with or without relay workers."""
 
@@ -129,7 +156,7 @@ class Service(Protocol):
 
 
 async def serve_until_stopped(
-    service: Service, servers: Sequence[Server], *, stop_timeout_seconds: float
+    service: Service, servers: Sequence[Serving], *, stop_timeout_seconds: float
 ) -> int:
     """Serve until a signal or a permanent configuration error, drain, stop; the exit code (1:
     a server failed or could not bind its port). The configuration error is raised, after the
