@@ -6,7 +6,8 @@ with relay workers, the admission owner they ask) and wires them: each scrape go
 and the exporter, the engine that discovery finds (``sidecar.http.engine_setup``) to admission
 and the proxy, learned lengths to their file (``sidecar.admission.lengths_file``). :func:`serve`
 runs the proxy port and the metrics port on one loop, or (``--workers`` above 1) the metrics port
-here and the proxy port in relay worker processes; both end by the one sequence of
+here and the proxy port in relay worker processes, and the HAProxy agent (``--agent-port``,
+``sidecar.http.agent``) in this process, where admission is; both end by the one sequence of
 ``sidecar.http.lifecycle``: on SIGTERM not ready at once, new generation requests refused with
 503, in-flight and startable queued requests given ``--drain-timeout`` to finish, then exit 0; a
 configuration error no retry can mend (a garbled ``--model-config``) ends it too, raised for the
@@ -30,9 +31,10 @@ from sidecar.engine.health import HealthMonitor
 from sidecar.engine.scraper import Scraper
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.errors import ConfigError
+from sidecar.http.agent import AgentServer, Room
 from sidecar.http.clients import make_transport, own_client
 from sidecar.http.engine_setup import EngineDiscovery, close_counter
-from sidecar.http.lifecycle import ReadyCheck, drain, serve_until_stopped
+from sidecar.http.lifecycle import ReadyCheck, Serving, drain, serve_until_stopped
 from sidecar.http.ops import build_ops_app
 from sidecar.http.seams import Engine, Traffic
 from sidecar.http.serving import Server as _Server
@@ -175,6 +177,31 @@ class Sidecar:
     def ready(self) -> bool:
         return self.ready_check.ready()
 
+    def agent_room(self) -> Room:
+        """What the HAProxy agent answers from (``sidecar.http.agent``): admission's budget and
+        commitments, and readiness."""
+        ready = self.ready_check.ready()
+        return Room(
+            budget_blocks=self.admission.budget_blocks(),
+            committed_blocks=self.admission.committed_blocks(),
+            queued_blocks=self.admission.queued_peak_blocks,
+            ready=ready,
+            draining=self.traffic.draining,
+            why_not="" if ready else self.ready_check.why_not(),
+        )
+
+    def servers(self, *, proxy: bool) -> list[Serving]:
+        """This process's servers: the proxy port (``proxy``: not where relay workers serve it),
+        the metrics port, and the HAProxy agent when ``--agent-port`` is set."""
+        settings = self.settings
+        out: list[Serving] = []
+        if proxy:
+            out.append(_Server(_uvicorn_config(self.proxy, settings, settings.port)))
+        out.append(_Server(_uvicorn_config(self.ops, settings, settings.metrics_port)))
+        if settings.agent_port is not None:
+            out.append(AgentServer(settings.host, settings.agent_port, self.agent_room))
+        return out
+
     def event_loop_tasks(self) -> int:
         """Tasks alive on the sidecar's loop (callable from any thread, e.g. a metrics scrape)."""
         return len(asyncio.all_tasks(self._loop)) if self._loop is not None else 0
@@ -273,9 +300,8 @@ async def serve(settings: Settings) -> int:
         return await serve_with_workers(settings, workers, tracing=tracing)
     sidecar = Sidecar(settings, tracing=tracing)
     await sidecar.start()
-    proxy = _Server(_uvicorn_config(sidecar.proxy, settings, settings.port))
-    ops = _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port))
-    return await serve_until_stopped(sidecar, [proxy, ops], stop_timeout_seconds=10)
+    servers = sidecar.servers(proxy=True)
+    return await serve_until_stopped(sidecar, servers, stop_timeout_seconds=10)
 
 
 async def serve_with_workers(
@@ -290,9 +316,10 @@ async def serve_with_workers(
         return 1
     sidecar = Sidecar(settings, tracing=tracing, relays=relays)
     await sidecar.start()
-    ops = _Server(_uvicorn_config(sidecar.ops, settings, settings.metrics_port))
+    # the agent answers from admission, which lives here
+    servers = sidecar.servers(proxy=False)
     # a stuck worker gets 5 s after the drain, then is killed
-    return await serve_until_stopped(sidecar, [ops], stop_timeout_seconds=15)
+    return await serve_until_stopped(sidecar, servers, stop_timeout_seconds=15)
 
 
 def run(settings: Settings) -> int:
