@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -31,7 +32,7 @@ from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
 from harness.workload import SidecarProcess, burst, make_prompts, metric_value, vllm_preemptions
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
-from sidecar.admission.decisions import Outcome
+from sidecar.admission.decisions import Outcome, Reason
 from sidecar.config import Settings
 from sidecar.http.seams import Engine, Traffic
 from sidecar.http.workers import wire
@@ -41,10 +42,12 @@ from sidecar.http.workers.supervisor import worker_count
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import project_counts
+from sidecar.kv.trajectory import Trajectory, future_peak
 from sidecar.observability.exporter import Metrics
 from tests.conftest import VllmInfo
 from tests.support.external import unless_external
 from tests.support.snapshots import snapshot
+from tests.support.wait import eventually
 
 #: a completions request the fake counts as 3 prompt tokens; with max_tokens 900 it may reach
 #: 903 tokens: 8 blocks of 128, so that 7 fit the budget of 59 at once
@@ -163,10 +166,11 @@ class _Recorder:
         self.sent.append(message)
 
 
-def test_progress_is_sent_only_when_the_block_count_may_change() -> None:
-    """A streamed answer of 300 tokens after a 100-token prompt, event by event: one
-    PROGRESSED for the first token and one per block boundary crossed (128-token blocks),
-    the start once, and the release with the answer's length."""
+def test_progress_is_sent_for_every_token_and_the_start_and_release_once() -> None:
+    """A streamed answer of 300 tokens after a 100-token prompt, event by event (each one seen
+    twice, as a chunk that brings no new event): one PROGRESSED per token, not only at the
+    block boundaries (the owner times each request's end from it), the start once, and the
+    release with the answer's length."""
     recorder = _Recorder()
     link = OwnerLink(recorder, index=0)  # type: ignore[arg-type]
     blocks = UniformBlocks(128)
@@ -186,19 +190,26 @@ def test_progress_is_sent_only_when_the_block_count_may_change() -> None:
     )
     link.gate.granted(res)
     for k in range(1, 301):
-        link.gate.started(res)
-        link.gate.progressed(res, float(k))
+        for _ in range(2):
+            link.gate.started(res)
+            link.gate.progressed(res, float(k))
     link.gate.release(res, 300)
     link.gate.release(res, 300)  # idempotent
     kinds = [type(m) for m in recorder.sent]
     assert kinds.count(wire.Started) == 1
-    # ceil((100 + k) / 128) blocks after k tokens: 1 from k = 1, then 2, 3, 4 from 29, 157, 285
     progressed = [m for m in recorder.sent if isinstance(m, wire.Progressed)]
-    assert [m.generated_per_sequence for m in progressed] == [1.0, 29.0, 157.0, 285.0]
+    assert [m.generated_per_sequence for m in progressed] == [float(k) for k in range(1, 301)]
     assert recorder.sent[-1] == wire.Release(7, 300)
     assert kinds.count(wire.Release) == 1
     # the reservation itself is the owner's figures, never written by the gate
     assert (res.started, res.generated, res.released) == (False, 0.0, False)
+    # n sequences: a whole token per sequence (events / n) makes a message
+    res2 = dataclasses.replace(res, id=8)
+    link.gate.granted(res2)
+    for events in range(1, 7):
+        link.gate.progressed(res2, events / 2)
+    halves = [m.generated_per_sequence for m in recorder.sent[-3:]]
+    assert halves == [1.0, 2.0, 3.0]
 
 
 @contextlib.asynccontextmanager
@@ -307,6 +318,89 @@ async def test_a_client_that_leaves_the_queue_cancels_its_ask_at_the_owner() -> 
                 break
             await asyncio.sleep(0.01)
         assert admission.in_flight == 0 and admission.ledger.reserved_blocks == 0
+
+
+#: 100 prompt tokens and max_tokens 700: 7 blocks of 128 at its end (the real-vLLM burst's requests)
+SEVEN_BLOCKS = project_counts(
+    (100,), requested_max_tokens=700, n=1, max_model_len=1024, blocks=UniformBlocks(128)
+)
+#: 8 sequences of 8 blocks: over the budget of 59, refused at once (a round trip to the owner)
+TOO_LARGE = project_counts(
+    (3,), requested_max_tokens=900, n=8, max_model_len=1024, blocks=UniformBlocks(128)
+)
+
+
+async def test_lockstep_streams_on_two_workers_never_let_the_owner_over_admit() -> None:
+    """Eight streams of 100 + 700 tokens, three relayed by one worker and five by the other,
+    decode in lockstep (vLLM gives each running sequence one token per step) while two more
+    asks wait. Each step reaches the owner from the first worker, then (a scrape re-evaluates
+    the queue in between) from the second. Whenever the owner admits a waiting ask, the true
+    future peak (all eight where the first worker's streams are, the admitted ones taken at
+    their worst) must stay within the budget of 59 of vLLM's 63 usable blocks.
+
+    The workers used to report progress only when a stream's block count changed: at every
+    crossing the owner saw the second worker's streams a block (128 tokens) behind the first's
+    and took them to end 128 steps later, their peaks to pass one by one. It admitted one at
+    the crossing at 157 tokens (62 blocks at the true peak, over the budget) and the other at
+    413 (64, one more than vLLM's pool: a preemption; a fresh-clone CI run saw vLLM preempt
+    once behind two workers in worst-case mode)."""
+    assert SEVEN_BLOCKS.peak_blocks == 7 and TOO_LARGE.peak_blocks > 59
+    blocks = UniformBlocks(128)
+    config = type("Config", (), {"blocks": blocks})()
+    async with owner_and_links(2) as (admission, links):
+        for link in links:  # a worker knows the engine's block size, as in the real worker
+            link.engine = Engine(config=config, counter=None)  # type: ignore[arg-type]
+        streams: dict[int, list[Reservation]] = {0: [], 1: []}
+        for index, share in ((0, 3), (1, 5)):
+            for _ in range(share):
+                decision = await links[index].gate.wait(Ask(SEVEN_BLOCKS, streamed=True))
+                assert decision.admitted and decision.reservation is not None
+                streams[index].append(decision.reservation)
+        waiting = [
+            asyncio.ensure_future(links[0].gate.wait(Ask(SEVEN_BLOCKS, streamed=True)))
+            for _ in range(2)
+        ]
+        await eventually(lambda: admission.queue_depth == 2, "two asks queued")
+        budget = admission.budget_blocks()
+        assert budget == 59 and admission.capacity_blocks == 63
+
+        async def reported(index: int, generated: int) -> None:
+            """Worker ``index``'s streams at ``generated`` tokens, as far as the owner has
+            read them (a refused ask's answer comes after everything sent before it)."""
+            link = links[index]
+            for res in streams[index]:
+                link.gate.started(res)
+                link.gate.progressed(res, float(generated))
+            refused = await link.gate.wait(Ask(TOO_LARGE, streamed=True))
+            assert refused.reason is Reason.TOO_LARGE
+
+        admitted_at: list[int] = []
+        for k in range(1, 701):
+            await reported(0, k)
+            admission.pump()  # a scrape between the two workers' reports
+            await reported(1, k)
+            admission.pump()
+            while len(admitted_at) < len(admission.ledger) - 8:
+                admitted_at.append(k)
+                true_peak = future_peak(
+                    [Trajectory(100, k, 700, started=True, sequences=8)]
+                    + [Trajectory(100, 0, 700, started=False)] * len(admitted_at),
+                    blocks,
+                )
+                assert true_peak <= budget, (
+                    f"admitted {len(admitted_at)} beside eight streams at {k} of 700 tokens: "
+                    f"{true_peak} blocks at their peak, over the budget of {budget}"
+                )
+        # not over-cautious either: both fit once the eight are near their end
+        assert len(admitted_at) == 2, admitted_at
+        decided = [await asyncio.wait_for(ask, 5) for ask in waiting]
+        for index, held in streams.items():
+            for res in held:
+                links[index].gate.release(res, 700)
+        for decision in decided:
+            assert decision.admitted and decision.reservation is not None
+            links[0].gate.release(decision.reservation)
+        await eventually(lambda: admission.in_flight == 0, "every reservation released")
 
 
 # --- the process tree against the fake vLLM ---------------------------------------------------

@@ -3,8 +3,9 @@
 :class:`OwnerLink` is a relay worker's connection to the admission owner. Its :class:`RemoteGate`
 decides nothing itself: every generation request is an ``ADMIT`` that the owner's one controller
 answers (so ``try_admit`` returns None, and the request path awaits :meth:`RemoteGate.wait`);
-``started``, ``progressed`` and ``release`` are fire-and-forget, and ``progressed`` leaves only
-when the request's block count may have changed. :class:`RemoteMetrics` forwards the request
+``started``, ``progressed`` and ``release`` are fire-and-forget; ``progressed`` leaves for every
+token a stream gains (one loop tick's messages go as one frame), so that the owner's ledger
+follows each stream as one process does. :class:`RemoteMetrics` forwards the request
 path's metric events in batches, so that the owner's ``/metrics`` stays one exposition. The
 engine (its config, and the prompt counter built from it in the worker) and the traffic state
 (``draining``) follow the owner's messages; ``passthrough_in_flight`` is reported back for the
@@ -217,8 +218,7 @@ class _Progress:
     """What the worker has told the owner of one reservation."""
 
     started: bool = False
-    generated: float = 0.0
-    blocks: int = 0  # the block count last sent
+    generated: float = 0.0  # the tokens per sequence last sent
 
 
 class RemoteGate:
@@ -278,21 +278,20 @@ class RemoteGate:
         self.link.channel.send(wire.Started(reservation.id))
 
     def progressed(self, reservation: Reservation, generated_per_sequence: float) -> None:
-        """Sent only when the request's block count may change (the owner's ledger counts
-        blocks): a block of 16 tokens is one message, not sixteen."""
+        """Sent for every whole token per sequence, not only when the block count changes.
+
+        The owner's trajectories take a request to end its reserved tokens after the progress
+        it last heard of. Heard of only at block boundaries, streams that vLLM decodes in
+        lockstep seemed up to a block's worth of steps apart: they were taken to end apart and
+        their peaks to pass one by one, where vLLM holds them at once (eight streams of 100 +
+        700 tokens on two workers in worst-case mode: two more admitted at the crossings, 64
+        blocks at the true peak, one more than vLLM's pool). The channel carries one loop
+        tick's messages in one frame."""
         held = self._held.get(reservation.id)
-        if held is None or generated_per_sequence <= held.generated:
+        if held is None or int(generated_per_sequence) <= int(held.generated):
             return
         held.generated = generated_per_sequence
-        engine = self.link.engine
-        blocks = (
-            reservation.projection.blocks_at(int(generated_per_sequence), engine.config.blocks)
-            if engine is not None
-            else int(generated_per_sequence)
-        )
-        if blocks != held.blocks:
-            held.blocks = blocks
-            self.link.channel.send(wire.Progressed(reservation.id, generated_per_sequence))
+        self.link.channel.send(wire.Progressed(reservation.id, generated_per_sequence))
 
     def release(self, reservation: Reservation, completion_tokens: int | None = None) -> None:
         if self._held.pop(reservation.id, None) is None:

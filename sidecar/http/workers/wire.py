@@ -9,8 +9,8 @@ system call, not one each.
 
 Worker to owner (``ask`` and ``res`` are the worker's and the owner's numbers): :class:`Hello`
 first, :class:`Ready` once its engine (prompt counter) is built, then :class:`Admit`,
-:class:`Cancel` (the client left while it waited), :class:`Started`, :class:`Progressed` (only
-when its block count may change), :class:`Release` and :class:`Report` (metric events, one
+:class:`Cancel` (the client left while it waited), :class:`Started`, :class:`Progressed` (each
+whole token per sequence), :class:`Release` and :class:`Report` (metric events, one
 :data:`MetricEvent` each, and the pass-through count).
 
 Owner to worker: :class:`Welcome` first (the settings and the number of workers), :class:`Config`
