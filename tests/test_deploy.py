@@ -59,6 +59,7 @@ EXPECTED = {
     "overlays/add-to-existing-vllm",
     "overlays/autoscaling-keda",
     "overlays/autoscaling-hpa",
+    "overlays/haproxy",
 }
 
 #: Seconds the grace period must leave beyond the sidecar's preStop and drain: a margin for the
@@ -306,6 +307,10 @@ def test_sidecar_ports_match_its_settings(
         settings = effective_settings(docs, c, clean_env)
         assert container_port(c, "http") == settings.port
         assert container_port(c, "metrics") == settings.metrics_port
+        if settings.agent_port is not None:  # the HAProxy agent (overlays/haproxy)
+            assert container_port(c, "agent") == settings.agent_port
+        else:
+            assert all(p["name"] != "agent" for p in c["ports"]), "a port with no agent"
         # vLLM is in the same pod: the sidecar must talk to it on localhost, on vLLM's port.
         assert settings.upstream == "http://127.0.0.1:8000"
 
@@ -640,6 +645,7 @@ KINDS = {
     "overlays/autoscaling-keda": {**_POD, "ScaledObject": 1},
     "overlays/autoscaling-hpa": {**_POD, "HorizontalPodAutoscaler": 1},
     "overlays/ingress-nginx": {**_POD, "Ingress": 1},
+    "overlays/haproxy": {**_POD, "Service": 2},  # and the headless llm-pods
 }
 
 
@@ -713,8 +719,12 @@ def test_network_policy_lets_clients_reach_vllm_only_through_the_sidecar(
             else:
                 assert all(_selects_prometheus(peer) for peer in rule["from"]), rule
                 prometheus_ports |= ports
-        # clients: the sidecar's proxy and metrics ports, nothing of vLLM's
-        assert open_ports == {(SIDECAR, settings.port), (SIDECAR, settings.metrics_port)}
+        # clients: the sidecar's proxy and metrics ports (and its HAProxy agent's, where it
+        # runs one), nothing of vLLM's
+        sidecar_ports = {settings.port, settings.metrics_port}
+        if settings.agent_port is not None:
+            sidecar_ports.add(settings.agent_port)
+        assert open_ports == {(SIDECAR, p) for p in sidecar_ports}
         # vLLM's port(s): Prometheus only
         vllm_ports = {(VLLM, p["containerPort"]) for p in container(deployment, VLLM)["ports"]}
         assert vllm_ports and prometheus_ports == vllm_ports
@@ -934,3 +944,35 @@ def test_nginx_config_sends_a_refused_request_to_the_other_pod(tmp_path: Path) -
         log.close()
         refusing.server.shutdown()
         serving.server.shutdown()
+
+
+# --- the gateway: HAProxy balances on the sidecars' agent (tests/test_haproxy_agent.py runs it) --
+
+HAPROXY_CFG = DEPLOY / "gateway" / "haproxy.cfg"
+
+
+def test_the_haproxy_overlay_serves_the_agent_the_shipped_config_asks(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """overlays/haproxy's pods answer on the ports deploy/gateway/haproxy.cfg checks (the agent,
+    /readyz on the metrics port), behind a queue (HAProxy 2.6 cannot retry a 429), and its
+    headless Service is the one the config's server-template resolves."""
+    docs = render("overlays/haproxy")
+    (deployment,) = of_kind(docs, "Deployment")
+    sidecar = container(deployment, SIDECAR)
+    settings = effective_settings(docs, sidecar, clean_env)
+    assert settings.policy.value == "queue"
+    text = HAPROXY_CFG.read_text()
+    servers = re.findall(r"(?m)^\s*server \S+ \S+ port (\d+) agent-port (\d+)$", text)
+    assert len(servers) == 2 and set(servers) == {
+        (str(settings.metrics_port), str(settings.agent_port))
+    }, servers
+    (template,) = re.findall(r"(?m)^#\s+(server-template .*)$", text)
+    srv = re.search(r"_(\w+)\._tcp\.([\w-]+)\.default\.svc\.cluster\.local", template)
+    assert srv is not None, template
+    assert f"port {settings.metrics_port} agent-port {settings.agent_port}" in template
+    (service,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == srv[2]]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True  # the agent says who serves
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == srv[1]]
+    assert container_port(sidecar, port["targetPort"]) == settings.port

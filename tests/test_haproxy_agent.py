@@ -174,6 +174,23 @@ def test_the_shipped_haproxy_config_is_valid_and_balances_on_the_agent(tmp_path:
     assert "option redispatch 1" in lines
 
 
+def test_the_kubernetes_form_in_the_shipped_comments_is_valid_too(tmp_path: Path) -> None:
+    """The server-template and resolvers lines the config's comments give for Kubernetes
+    (deploy/overlays/haproxy), put in place of the two server lines, pass ``haproxy -c``."""
+    text = HAPROXY_CFG.read_text()
+    (template,) = re.findall(r"(?m)^#\s+(server-template .*)$", text)
+    resolvers = re.search(r"(?m)^#\s+(resolvers \S+)\n((?:#\s{8,}\S.*\n)+)", text)
+    assert resolvers is not None
+    body = "".join("    " + line.lstrip("#").strip() + "\n" for line in resolvers[2].splitlines())
+    servers = re.compile(r"(?m)^\s*server pod1 .*\n\s*server pod2 .*\n")
+    assert servers.search(text)
+    k8s = servers.sub(lambda _: f"    {template}\n", text) + f"\n{resolvers[1]}\n{body}"
+    cfg = tmp_path / "k8s.cfg"
+    cfg.write_text(k8s)
+    done = _check(cfg)
+    assert done.returncode == 0, done.stdout + done.stderr + k8s
+
+
 def test_haproxy_2_6_refuses_to_retry_on_429(tmp_path: Path) -> None:
     """The premise of the shipped config's design: this HAProxy's retry-on has no 429, so the
     agent's weights, not a retry, keep requests off full pods. If a newer HAProxy takes it, this
