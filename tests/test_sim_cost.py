@@ -189,7 +189,9 @@ def test_gpu_names() -> None:
     assert gpu("H100") is GPUS["h100-80gb"]
     assert gpu("h200").memory_bytes == 143_771 * (1 << 20)
     assert GPUS["a100-80gb"].memory_bytes / GIB == 80.0
-    with pytest.raises(ValueError, match="known: a100-80gb, h100-80gb, h200-141gb"):
+    with pytest.raises(
+        ValueError, match="known: a100-40gb, a100-80gb, h100-80gb, h200-141gb, l4-24gb, l40s-48gb"
+    ):
         gpu("b200")
 
 
