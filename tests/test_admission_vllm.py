@@ -18,12 +18,9 @@ import openai
 import pytest
 
 from harness.vllm_info import VllmInfo
-from harness.workload import (
-    SidecarProcess,
-    make_prompts,
-    vllm_preemptions,
-)
+from harness.workload import SidecarProcess, make_prompts
 from tests.support.external import unless_external
+from tests.support.vllm_idle import idle_preemptions
 
 pytestmark = pytest.mark.vllm
 
@@ -42,7 +39,7 @@ def test_openai_client_at_its_default_retries_completes_an_over_budget_burst(
     _sized(vllm)
     assert vllm.model_dir is not None
     prompts = make_prompts(vllm.model_dir, 16, 271, seed=9)
-    before = vllm_preemptions(vllm.url)
+    before = idle_preemptions(vllm.url)
     retry_after_ms: list[str | None] = []  # every 429's retry-after-ms, in order
 
     async def record(response: httpx.Response) -> None:
@@ -73,4 +70,4 @@ def test_openai_client_at_its_default_retries_completes_an_over_budget_burst(
         tokens = asyncio.run(run(sc.url))
     assert tokens == [700] * 16, f"{tokens} after 429s with retry-after-ms {retry_after_ms}"
     assert retry_after_ms  # the burst really was over budget, and was retried
-    assert vllm_preemptions(vllm.url) == before
+    assert idle_preemptions(vllm.url) == before

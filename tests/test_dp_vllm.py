@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from harness.vllm_cpu import VllmServer, ensure_model
-from harness.workload import SidecarProcess, make_prompts, metric_value, vllm_preemptions
+from harness.workload import SidecarProcess, make_prompts, metric_value
+from tests.support.vllm_idle import idle_preemptions
 
 pytestmark = pytest.mark.vllm
 
@@ -72,7 +73,7 @@ def test_a_burst_over_each_engines_pool_completes_without_preemption(
     dp_vllm: VllmServer,
 ) -> None:
     prompts = make_prompts(ensure_model(), 6, 271, seed=31)
-    before = vllm_preemptions(dp_vllm.url)
+    before = idle_preemptions(dp_vllm.url)
     with SidecarProcess(dp_vllm.url, "--policy", "queue", "--max-queue-wait", "300") as sc:
         state = sc.state()
         # two pools of 19 usable blocks, not one of 2 x 40 - 2 (the labels' sum)
@@ -81,7 +82,7 @@ def test_a_burst_over_each_engines_pool_completes_without_preemption(
         results = burst(sc.url, prompts, dp_vllm.served_name)
         served = engine_counts(dp_vllm.url, "vllm:request_success_total")
     assert results == [(200, 753)] * 6
-    assert vllm_preemptions(dp_vllm.url) == before
+    assert idle_preemptions(dp_vllm.url) == before
     # pinned to both engines (the emptier pool first; a queued request goes to the engine whose
     # answers ended first), two at a time each
     per_engine = [a - b for a, b in zip(served, served_before, strict=True)]
@@ -92,7 +93,7 @@ def test_the_same_burst_straight_to_vllm_preempts(dp_vllm: VllmServer) -> None:
     """The workload above is one that data-parallel vLLM cannot run alone without preempting
     (so that the test above can fail)."""
     prompts = make_prompts(ensure_model(), 6, 271, seed=32)
-    before = vllm_preemptions(dp_vllm.url)
+    before = idle_preemptions(dp_vllm.url)
     results = burst(dp_vllm.url, prompts, dp_vllm.served_name)
     assert results == [(200, 753)] * 6
-    assert vllm_preemptions(dp_vllm.url) > before
+    assert idle_preemptions(dp_vllm.url) > before

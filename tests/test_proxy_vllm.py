@@ -19,9 +19,10 @@ import httpx
 import openai
 import pytest
 
-from harness.workload import SidecarProcess, burst, make_prompts, metric_value, vllm_preemptions
+from harness.workload import SidecarProcess, burst, make_prompts, metric_value
 from tests.conftest import VllmInfo
 from tests.support.external import unless_external
+from tests.support.vllm_idle import idle_preemptions
 
 pytestmark = pytest.mark.vllm
 
@@ -113,12 +114,12 @@ def assert_ledger_empty(sidecar: SidecarProcess) -> None:
 def test_direct_burst_preempts(vllm: VllmInfo, shape: Shape, prompts: list[str]) -> None:
     """The premise: 2.5 pools' worth of KV at once (20 x (271 + 700) tokens on 64 blocks of 128
     for the session vLLM) makes vLLM preempt."""
-    before = vllm_preemptions(vllm.url)
+    before = idle_preemptions(vllm.url)
     results = asyncio.run(
         burst(vllm.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
     )
     assert [r.status for r in results] == [200] * shape.requests
-    assert vllm_preemptions(vllm.url) > before
+    assert idle_preemptions(vllm.url) > before
 
 
 @pytest.fixture
@@ -137,13 +138,13 @@ def test_queue_policy_burst_has_no_preemptions(
     burst fills the budget and queues, is asserted on the simulated engine, stepped by the test
     (``test_admission_sim.py::test_queue_policy_burst_has_no_preemptions``): sampling this
     free-running engine's scrapes cannot promise a comparable sample on a busy machine."""
-    before = vllm_preemptions(vllm.url)
+    before = idle_preemptions(vllm.url)
     results = asyncio.run(
         burst(queue_sidecar.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
     )
     assert [r.status for r in results] == [200] * shape.requests, [r.error for r in results]
     assert all(r.completion_tokens == shape.max_tokens for r in results)
-    assert vllm_preemptions(vllm.url) == before
+    assert idle_preemptions(vllm.url) == before
     # it was over the budget: requests queued (a counter, not a sample)
     queued = metric_value(
         queue_sidecar.metrics(), "kv_sidecar_requests_total", decision="admit", reason="queued"
@@ -156,7 +157,7 @@ def test_observe_policy_sees_the_oom_risk_of_the_direct_burst(
 ) -> None:
     """A dry run (--policy observe) forwards the burst as if direct: vLLM preempts, and the
     sidecar's OOM risk says so before it happens."""
-    before = vllm_preemptions(vllm.url)
+    before = idle_preemptions(vllm.url)
     with SidecarProcess(vllm.url, "--policy", "observe") as sc:
         with Sampler(sc) as sampler:
             results = asyncio.run(
@@ -170,13 +171,13 @@ def test_observe_policy_sees_the_oom_risk_of_the_direct_burst(
     risks = [s["oom_risk_ratio"] for s in sampler.samples if s["oom_risk_ratio"] is not None]
     assert max(risks) > 1.0
     assert observed and observed > 0
-    assert vllm_preemptions(vllm.url) > before
+    assert idle_preemptions(vllm.url) > before
 
 
 def test_reject_policy_refuses_with_retry_headers(
     vllm: VllmInfo, shape: Shape, prompts: list[str]
 ) -> None:
-    before = vllm_preemptions(vllm.url)
+    before = idle_preemptions(vllm.url)
     with SidecarProcess(vllm.url, "--policy", "reject") as sc:
         results = asyncio.run(
             burst(sc.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
@@ -191,14 +192,14 @@ def test_reject_policy_refuses_with_retry_headers(
             assert int(r.headers["retry-after-ms"]) >= 1
         else:
             assert r.completion_tokens == shape.max_tokens
-    assert vllm_preemptions(vllm.url) == before
+    assert idle_preemptions(vllm.url) == before
 
 
 def test_openai_client_retries_to_completion(
     vllm: VllmInfo, shape: Shape, prompts: list[str]
 ) -> None:
     """The official client honours retry-after-ms: every request of the over-budget burst ends."""
-    before = vllm_preemptions(vllm.url)
+    before = idle_preemptions(vllm.url)
 
     async def run(url: str) -> list[int]:
         client = openai.AsyncOpenAI(
@@ -232,4 +233,4 @@ def test_openai_client_retries_to_completion(
         assert_ledger_empty(sc)
     assert tokens == [shape.retry_max_tokens] * shape.requests
     assert refused > 0  # the burst really was over budget and was retried
-    assert vllm_preemptions(vllm.url) == before
+    assert idle_preemptions(vllm.url) == before

@@ -29,7 +29,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
-from harness.workload import SidecarProcess, burst, make_prompts, metric_value, vllm_preemptions
+from harness.workload import SidecarProcess, burst, make_prompts, metric_value
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Outcome, Reason
@@ -47,6 +47,7 @@ from sidecar.observability.exporter import Metrics
 from tests.conftest import VllmInfo
 from tests.support.external import unless_external
 from tests.support.snapshots import snapshot
+from tests.support.vllm_idle import idle_preemptions
 from tests.support.wait import eventually
 
 #: a completions request the fake counts as 3 prompt tokens; with max_tokens 900 it may reach
@@ -660,7 +661,7 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
         unless_external(f"vLLM's pool ({vllm.num_gpu_blocks} blocks) needs a larger burst")
     assert count * per_request > vllm.num_gpu_blocks, "the burst must overflow vLLM's pool"
     prompts = make_prompts(vllm.model_dir, count, prompt_tokens, seed=23)
-    before = vllm_preemptions(vllm.url)
+    before = idle_preemptions(vllm.url)
     with SidecarProcess(
         vllm.url, "--workers", "2", "--reservation", "worst-case", "--max-queue-wait", "600"
     ) as sc:
@@ -671,4 +672,4 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
         # the queue formed (the pool could not take them all), every request decided once
         assert (metric_value(text, "kv_sidecar_requests_total", reason="queued") or 0) > 0
         assert sum(served_by(sc).values()) == count, served_by(sc)
-    assert vllm_preemptions(vllm.url) == before
+    assert idle_preemptions(vllm.url) == before

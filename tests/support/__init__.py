@@ -15,4 +15,5 @@
   lookups in them (``of_kind``, ``container``, ``container_port``).
 - ``sim``: what the tests on the simulated engine read of its /metrics.
 - ``autoscalers``: the shipped KEDA and HPA overlays' queries and targets, and KEDA's formula.
+- ``vllm_idle``: ``idle_preemptions``, vLLM's preemption counter once vLLM is idle (fails if not).
 """
