@@ -6,7 +6,8 @@ and the measured decode step time turns steps into seconds. Requests refused a m
 coming back too: each refusal books the slot it was given (a trajectory that starts then), so
 that the next refusal is told a later time instead of the same one, and a burst of clients that
 honour Retry-After return in turn rather than all at once. A booking ends when its time has
-passed (plus a grace) or when a request is admitted in its place.
+passed (plus a grace), when a request is admitted in its place, or, while nothing confirms that
+its request is coming back, after a short hold (below).
 
 Requests in flight, and booked ones, are taken to end where their class's answers likely end
 (the learner's upper quartile; every class's answers while a class has few), not at their
@@ -22,10 +23,26 @@ comes back takes its own booking out of the plan, whether it is admitted or refu
 it is booked anew). Without this, every refusal of one request stayed booked until its grace ran
 out, and a burst of clients retrying pushed each other's slots out to the 60 s cap while the
 pool sat idle (BENCHMARKS.md, the fleet run).
+
+A booking must not outlive the evidence that its request is coming back. Behind a gateway that
+retries another replica on 429 (nginx's ``proxy_next_upstream http_429``), most refused requests
+are served there and never return; their bookings piled up and pushed every later slot to the
+60 s cap. So a booking is **provisional** at first: it counts in later plans for
+:data:`PROVISIONAL_HOLD_S` (or until its slot, if that comes sooner), long enough to space out a
+burst refused together, and then stops counting. It is **confirmed** when its request comes back
+(the same fingerprint, refused again while the sidecar still remembers it): a confirmed booking
+counts until its slot plus the grace, as every booking did before. The fingerprint is remembered
+until the slot plus the grace either way, so a client that honours Retry-After (the official
+``openai`` client sleeps exactly what ``retry-after-ms`` or ``Retry-After`` says, up to two
+minutes in openai 3.57, and retries twice by default) is recognised when it returns at its slot,
+however long after the hold that is; its new booking keeps the old one's place in line (the
+requests refused after it were told to come after it, and do not push it back). A request
+admitted takes its own booking out, confirmed or not.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,16 +59,33 @@ _MIN_GRACE_S = 2.0
 #: Retry-After is the slot's time times this, plus _LATE_S
 _LATE_SHARE = 1.1
 _LATE_S = 0.25
-#: bookings kept at most (each one is a trajectory in every later plan)
+#: bookings kept at most (each one that counts is a trajectory in every later plan)
 MAX_BOOKINGS = 512
+#: seconds a booking counts in later plans before its request is seen again (or until its slot, if
+#: sooner): a burst refused together is refused within about a second, and a gateway retries
+#: another replica within milliseconds
+PROVISIONAL_HOLD_S = 3.0
+
+
+def fingerprint(body: bytes) -> int:
+    """A request's fingerprint: a digest of its body, the same in every process (``hash`` of
+    bytes is salted per process, and a retry may reach another relay worker)."""
+    return int.from_bytes(hashlib.blake2b(body, digest_size=8).digest(), "big")
 
 
 @dataclass(slots=True)
 class _Booking:
     trajectories: Columns  # the refused request (it starts at its slot)
     slot_at: float  # monotonic time the client was told to come back
-    expires_at: float
+    expires_at: float  # its slot plus the grace: remembered (and, confirmed, counted) until then
     key: int | None = None  # the request's fingerprint: its retry is recognised
+    held_until: float = 0.0  # provisional: counted in plans until then
+    confirmed: bool = False  # its request came back (refused again): counted until expires_at
+    rank: int = 0  # its place in line: bookings made after it were told to come after it
+
+    def counts(self, now: float) -> bool:
+        """Whether the booking stands in later plans at ``now``."""
+        return now < (self.expires_at if self.confirmed else self.held_until)
 
 
 class RetryPlanner:
@@ -61,11 +95,19 @@ class RetryPlanner:
         self.ledger = ledger
         self._clock = clock
         self._bookings: list[_Booking] = []
+        self._ranks = 0  # bookings made: the next one's place in line
 
     def _live(self) -> list[_Booking]:
+        """The bookings remembered (their request may still come back and be recognised)."""
         now = self._clock()
         self._bookings = [b for b in self._bookings if b.expires_at > now]
         return self._bookings
+
+    def _counted(self) -> list[_Booking]:
+        """The bookings that stand in plans now: provisional ones within their hold, confirmed
+        ones until their slot plus the grace."""
+        now = self._clock()
+        return [b for b in self._live() if b.counts(now)]
 
     def admitted(self, key: int | None = None) -> None:
         """A request was admitted: its own booking (``key``), else the earliest booking whose
@@ -73,16 +115,40 @@ class RetryPlanner:
         if key is not None and self._forget(key):
             return
         now = self._clock()
-        due = [b for b in self._live() if b.slot_at <= now]
+        due = [b for b in self._counted() if b.slot_at <= now]
         if due:
             self._bookings.remove(min(due, key=lambda b: b.slot_at))
 
     def _forget(self, key: int) -> bool:
-        """Drop the booking of the request with fingerprint ``key``; whether there was one."""
-        kept = [b for b in self._bookings if b.key != key]
+        """Drop the booking of the request with fingerprint ``key``; whether one was remembered."""
+        kept = [b for b in self._live() if b.key != key]
         dropped = len(kept) != len(self._bookings)
         self._bookings = kept
         return dropped
+
+    def wait_steps(
+        self,
+        candidate: Reservation,
+        *,
+        ahead: Sequence[Reservation],
+        budget_blocks: int | None,
+        external_blocks: int,
+        likely: Callable[[str], int | None] | None = None,
+    ) -> int | None:
+        """Decode steps until ``candidate`` would fit if it were queued now, behind ``ahead``:
+        :meth:`plan`'s steps without the bookings (a request queued now is served before any
+        refused request that comes back later) and without Retry-After's margin. None: the
+        trajectories cannot bound it (the budget is unknown, or only requests that have not
+        started stand in its way)."""
+        if budget_blocks is None:
+            return None
+        others = self.ledger.retry_columns(ahead, likely)
+        own = self._own(candidate, likely)
+        return steps_until_fits(others, own, budget_blocks - external_blocks, self.ledger.blocks)
+
+    def _own(self, candidate: Reservation, likely: Callable[[str], int | None] | None) -> Columns:
+        ends = None if likely is None else likely_end(likely)
+        return self.ledger.trajectories([candidate], in_flight=False, likely_end=ends)
 
     def plan(
         self,
@@ -100,36 +166,75 @@ class RetryPlanner:
         """Seconds until ``candidate`` would fit, after ``ahead`` (queued before it) and the
         requests refused before it; books that slot (unless ``book`` is False: a what-if, for
         choosing among several engines' pools). ``key``: the request's fingerprint; a booking it
-        already had is its own, not another request's, and is replaced. ``likely``: a request
+        already had is its own, not another request's, and is replaced, in its place in line:
+        the bookings made after it do not push it back. ``likely``: a request
         class's likely answer length (a request in flight is then taken to end there, or at
         twice what it has once past it, within its reservation; else at its reservation's end)."""
+        # its request came back: the evidence that confirms its new booking, which keeps the
+        # old one's place in line (the requests refused after it were told to come after it)
+        mine = self._booking_of(key)
         if book and key is not None:
             self._forget(key)
         if budget_blocks is None or seconds_per_step is None or seconds_per_step <= 0:
             return _clamp(fallback())
         now = self._clock()
         others = self.ledger.retry_columns(ahead, likely)
-        for booking in self._live():
+        for booking in self._counted():
             if key is not None and booking.key == key:
                 continue  # its own earlier slot (a what-if leaves it booked)
+            if mine is not None and booking.rank > mine.rank:
+                continue  # refused after it: told to come back after it
             steps_to_slot = max(0, round((booking.slot_at - now) / seconds_per_step))
             others.add_delayed(booking.trajectories, steps_to_slot)
-        own = self.ledger.trajectories(
-            [candidate], in_flight=False, likely_end=None if likely is None else likely_end(likely)
-        )
+        own = self._own(candidate, likely)
         steps = steps_until_fits(others, own, budget_blocks - external_blocks, self.ledger.blocks)
         if steps is None:
             return _clamp(fallback())
         # a little late rather than early: the requests that make room must have ended and
         # been released when the client comes back, however the step time wavers
         seconds = _clamp(max(steps, 1) * seconds_per_step * _LATE_SHARE + _LATE_S)
-        if book and len(self._bookings) < MAX_BOOKINGS:
-            grace = max(_MIN_GRACE_S, _GRACE_SHARE * seconds)
-            self._bookings.append(_Booking(own, now + seconds, now + seconds + grace, key))
+        if book:
+            self._book(own, now, seconds, key, mine)
         return seconds
+
+    def _booking_of(self, key: int | None) -> _Booking | None:
+        """The booking remembered for the request with fingerprint ``key``, if any."""
+        if key is None:
+            return None
+        return next((b for b in self._live() if b.key == key), None)
+
+    def _book(
+        self, own: Columns, now: float, seconds: float, key: int | None, old: _Booking | None
+    ) -> None:
+        """Book the refused request's slot; ``old``: its earlier booking (it came back: the new
+        one is confirmed, in the old one's place)."""
+        if len(self._bookings) >= MAX_BOOKINGS:
+            # make room by forgetting what no longer counts (remembered only to recognise a
+            # retry), the oldest first
+            stale = sorted(
+                (b for b in self._bookings if not b.counts(now)), key=lambda b: b.slot_at
+            )
+            for booking in stale[: len(self._bookings) - MAX_BOOKINGS + 1]:
+                self._bookings.remove(booking)
+            if len(self._bookings) >= MAX_BOOKINGS:
+                return
+        grace = max(_MIN_GRACE_S, _GRACE_SHARE * seconds)
+        held = now + min(PROVISIONAL_HOLD_S, seconds)
+        if old is None:
+            self._ranks += 1
+        rank = old.rank if old is not None else self._ranks
+        self._bookings.append(
+            _Booking(own, now + seconds, now + seconds + grace, key, held, old is not None, rank)
+        )
 
     @property
     def bookings(self) -> int:
+        """Bookings that stand in plans now."""
+        return len(self._counted())
+
+    @property
+    def remembered(self) -> int:
+        """Bookings remembered, counted or not (a retry of their request is recognised)."""
         return len(self._live())
 
 

@@ -24,6 +24,7 @@ import httpx
 from sidecar.admission.ask import Ask
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.learner import request_class
+from sidecar.admission.retry import fingerprint
 from sidecar.counting import GenerationRequest, counting_view, parse_generation
 from sidecar.errors import BadRequest, CountingBusy, UpstreamError
 from sidecar.http import refusals
@@ -194,7 +195,7 @@ class GenerationPath:
                 prefix=count.prefix,
                 pin=rank if rank.isdigit() else None,
                 pinnable=endpoint in _PINNABLE,
-                key=hash(raw),  # a retry sends the same body: its Retry-After slot is its own
+                key=fingerprint(raw),  # a retry sends the same body: its slot is its own
             )
             record.admit_start = time.perf_counter()
             decision = self.gate.try_admit(ask)
