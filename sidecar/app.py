@@ -87,6 +87,7 @@ class Sidecar:
             headroom=settings.headroom,
             max_queue_depth=settings.max_queue_depth,
             max_queue_wait=settings.max_queue_wait,
+            spill_wait=settings.spill_wait,
             reservation=settings.reservation,
             expected_quantile=settings.expected_quantile,
             expected_prior=settings.expected_prior,

@@ -11,10 +11,11 @@ with shared prompt blocks counted once. Added to it is whatever vLLM holds beyon
 prediction (traffic that bypasses the sidecar); and the candidate's prompt must fit beside what
 vLLM reports taken now; with ``--tpot-target``, the batch with it must keep vLLM's decode step
 within the target. A request that fits is admitted; otherwise,
-by policy, it is refused with 429 at once or waits in a FIFO queue (only the head may be
-admitted, so a large request is not starved by small ones behind it) that is re-evaluated on
-every release and every scrape. A refusal's Retry-After is when the trajectories say the request
-would fit (``sidecar.admission.retry``).
+by policy, it is refused with 429 at once (``reject``), waits in a FIFO queue (``queue``; only
+the head may be admitted, so a large request is not starved by small ones behind it) that is
+re-evaluated on every release and every scrape, or waits there only if its expected wait is
+short (``spill``, ``sidecar.admission.spill``). A refusal's Retry-After is when the trajectories
+say the request would fit (``sidecar.admission.retry``).
 
 Data-parallel vLLM (``--data-parallel-size N`` in one server) runs N engines, each with its own
 KV pool: the controller keeps one :class:`Pool` (ledger, engine view, Retry-After planner) per
@@ -59,6 +60,7 @@ from sidecar.admission.fit import (
 )
 from sidecar.admission.learner import LengthLearner
 from sidecar.admission.retry import MIN_RETRY_AFTER, RetryPlanner
+from sidecar.admission.spill import Estimate, judge
 from sidecar.config import Policy, ReservationMode, StalePolicy
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.blocks import BlockMath
@@ -96,6 +98,7 @@ class AdmissionController:
         headroom: float = 0.05,
         max_queue_depth: int = 256,
         max_queue_wait: float = 30.0,
+        spill_wait: float = 2.0,
         reservation: ReservationMode = ReservationMode.worst_case,
         expected_quantile: float = 0.95,
         expected_prior: float = 1.0,
@@ -109,6 +112,7 @@ class AdmissionController:
         self.headroom = headroom
         self.max_queue_depth = max_queue_depth
         self.max_queue_wait = max_queue_wait
+        self.spill_wait = spill_wait  # --policy spill: the longest expected wait queued
         self.stale_after = stale_after
         self.stale_policy = StalePolicy(stale_policy)
         self.learner = LengthLearner(expected_quantile, prior=expected_prior, clock=clock)
@@ -417,6 +421,10 @@ class AdmissionController:
                     ask,
                 )
             return self._refuse(Reason.KV_CACHE_FULL, "the KV cache is full; retry later", ask)
+        if self.policy is Policy.spill:
+            verdict = judge(self.expected_waits(ask), threshold=self.spill_wait)
+            if not verdict.queue:
+                return self._refuse(Reason.SPILLED, verdict.message, ask)
         if len(self._queue) >= self.max_queue_depth:
             return self._refuse(Reason.QUEUE_FULL, "the admission queue is full; retry later", ask)
         return None
@@ -541,6 +549,25 @@ class AdmissionController:
             key=ask.key,
             likely=self.learner.likely,
         )
+
+    def expected_waits(self, ask: Ask) -> list[Estimate]:
+        """Per pool the request may run in, its expected wait if queued now: the decode steps
+        until it fits behind the queue (``RetryPlanner.wait_steps``) and the step time."""
+        estimates = []
+        for pool in self._eligible(ask, self.is_stale()):
+            budget = budget_blocks(pool.view.capacity_blocks, self.headroom)
+            if budget is None:  # the pool is not known yet: nothing to tell the wait by
+                estimates.append(Estimate(None, None))
+                continue
+            steps = pool.retry.wait_steps(
+                self._candidate(pool, ask),
+                ahead=[self._candidate(pool, w.ask) for w in self._queue if w.ask is not ask],
+                budget_blocks=budget,
+                external_blocks=pool.view.external_blocks,
+                likely=self.learner.likely,
+            )
+            estimates.append(Estimate(steps, pool.view.seconds_per_step))
+        return estimates
 
     def _release_rate_estimate(
         self, pool: Pool, candidate: Reservation, ahead: list[Reservation]

@@ -39,6 +39,7 @@ class Reason(StrEnum):
     # refused by the gate
     KV_CACHE_FULL = "kv_cache_full"
     LATENCY_TARGET = "latency_target"  # a larger batch would miss --tpot-target
+    SPILLED = "spilled"  # --policy spill: the expected wait here is over --spill-wait
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
     TOO_LARGE = "too_large"
@@ -65,6 +66,7 @@ class Refusal(NamedTuple):
 REFUSALS: dict[Reason, Refusal] = {
     Reason.KV_CACHE_FULL: Refusal(429, "rate_limit_error", "kv_cache_full"),
     Reason.LATENCY_TARGET: Refusal(429, "rate_limit_error", "latency_target"),
+    Reason.SPILLED: Refusal(429, "rate_limit_error", "spilled"),
     Reason.QUEUE_FULL: Refusal(429, "rate_limit_error", "queue_full"),
     Reason.QUEUE_TIMEOUT: Refusal(429, "rate_limit_error", "queue_timeout"),
     Reason.TOO_LARGE: Refusal(413, "invalid_request_error", "kv_budget_exceeded"),

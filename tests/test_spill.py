@@ -1,0 +1,160 @@
+"""``--policy spill``: a request that does not fit is queued when its expected wait here (the
+trajectories' steps behind the queue, times the learned step time) is at most ``--spill-wait``,
+refused at once with 429 ``spilled`` and a Retry-After when it is longer or cannot be bounded, and
+queued while the step time is not known (cold)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sidecar.admission.ask import Ask
+from sidecar.admission.controller import AdmissionController
+from sidecar.admission.decisions import REFUSALS, Decision, Outcome, Reason
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.ledger import Ledger
+from sidecar.kv.projection import Projection, project_counts
+from tests.support.snapshots import Clock, snapshot
+
+BLOCKS = UniformBlocks(128)
+STEP = 0.02  # seconds per decode step the tests teach the controller (50 steps a second)
+
+
+def proj(prompt: int, max_tokens: int, n: int = 1) -> Projection:
+    return project_counts(
+        (prompt,), requested_max_tokens=max_tokens, n=n, max_model_len=1024, blocks=BLOCKS
+    )
+
+
+#: 8 blocks from its prefill on (900 prompt tokens), 8 at its end: it never fits beside 56
+BIG = proj(900, 124)
+
+
+def controller(clock: Clock, policy: str = "spill", **kw: object) -> AdmissionController:
+    """64 blocks (63 usable, no headroom), --policy spill unless told."""
+    ac = AdmissionController(
+        Ledger(BLOCKS, clock=clock),
+        clock=clock,
+        headroom=0.0,
+        policy=policy,  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
+    ac.on_snapshot(snapshot(clock, generated=0, running=1))
+    return ac
+
+
+def run_seven(ac: AdmissionController, clock: Clock, generated: tuple[int, ...]) -> list[Decision]:
+    """Seven requests of 100 prompt tokens and max_tokens 924 (8 blocks at their end), started,
+    each ``generated[i]`` tokens in; then a scrape that teaches 50 steps a second."""
+    running = [ac.try_admit(Ask(proj(100, 924), streamed=True)) for _ in range(7)]
+    for d, done in zip(running, generated, strict=True):
+        assert d is not None and d.reservation is not None
+        ac.started(d.reservation)
+        ac.progressed(d.reservation, done)
+    clock.now += 1.0
+    ac.on_snapshot(snapshot(clock, generated=7 * 50, running=7))
+    assert ac.pools[0].view.seconds_per_step == pytest.approx(STEP)
+    return [d for d in running if d is not None]
+
+
+def test_a_long_wait_is_refused_at_once_and_a_short_one_queued() -> None:
+    """The seven end 224 steps from now (4.48 s): over the 2 s default the request is refused
+    at once, with Retry-After from the planner; with --spill-wait 5 the same request queues."""
+    clock = Clock()
+    ac = controller(clock)
+    run_seven(ac, clock, (700,) * 7)
+    refused = ac.try_admit(Ask(BIG, streamed=True, key=1))
+    assert refused is not None and refused.outcome is Outcome.REJECT
+    assert refused.reason is Reason.SPILLED
+    assert REFUSALS[refused.reason].status == 429
+    assert refused.retry_after == pytest.approx(224 * STEP * 1.1 + 0.25)
+    assert "4.5s" in refused.message and "--spill-wait" in refused.message
+    assert ac.pools[0].retry.bookings == 1  # booked, as any refusal
+    waits = ac.expected_waits(Ask(BIG, streamed=True))
+    assert [(e.steps, e.seconds) for e in waits] == [(224, pytest.approx(4.48))]
+
+    other_clock = Clock()
+    patient = controller(other_clock, spill_wait=5.0)
+    run_seven(patient, other_clock, (700,) * 7)
+    assert patient.try_admit(Ask(BIG, streamed=True, key=1)) is None  # queue it
+
+
+async def test_the_queue_ahead_makes_a_short_wait_long() -> None:
+    """One of the seven ends in 50 steps (1 s), the other six in 124 (2.48 s): the first request
+    that needs 8 blocks is queued. A second one is behind it: not both fit until the six have
+    ended, so it is refused; without the first queued it would have queued too. A request
+    that fits is still admitted at once while nothing is queued."""
+    clock = Clock()
+    ac = controller(clock, max_queue_wait=30)
+    running = run_seven(ac, clock, (874,) + (800,) * 6)
+    assert ac.try_admit(Ask(BIG, streamed=True, key=1)) is None  # 1 s: queue it
+    [alone] = ac.expected_waits(Ask(BIG, streamed=True, key=2))
+    assert alone.steps == 50
+    first = asyncio.create_task(ac.wait(Ask(BIG, streamed=True, key=1)))
+    await asyncio.sleep(0)
+    assert ac.queue_depth == 1
+    [behind] = ac.expected_waits(Ask(BIG, streamed=True, key=2))
+    assert behind.steps == 124  # at least the queued one's 50, and both must fit
+    second = ac.try_admit(Ask(BIG, streamed=True, key=2))
+    assert second is not None and second.reason is Reason.SPILLED
+    # the one that ends makes room for the first queued
+    ac.release(running[0].reservation)  # type: ignore[arg-type]
+    admitted = await asyncio.wait_for(first, 5)
+    assert admitted.reason is Reason.QUEUED
+    assert ac.try_admit(Ask(proj(10, 10), streamed=True)) is not None  # 1 block: fits
+
+
+def test_bookings_do_not_lengthen_the_wait_of_a_request_queued_now() -> None:
+    """Refused requests booked for later come back behind whatever queues now: the spill wait
+    leaves them out, Retry-After does not."""
+    clock = Clock()
+    ac = controller(clock)
+    run_seven(ac, clock, (874,) + (800,) * 6)
+    # refused under reject semantics to book slots: the planner books at 50 steps
+    for key in (11, 12):
+        ac.retry_after(Ask(BIG, streamed=True, key=key))
+    assert ac.pools[0].retry.bookings == 2
+    [wait] = ac.expected_waits(Ask(BIG, streamed=True, key=3))
+    assert wait.steps == 50
+    assert ac.try_admit(Ask(BIG, streamed=True, key=3)) is None  # queued, not spilled
+    # whereas its Retry-After, were it refused, would be behind both bookings
+    assert ac.retry_after(Ask(BIG, streamed=True, key=4)) > 2 * 50 * STEP
+
+
+def test_cold_queues_and_an_unbounded_wait_is_refused() -> None:
+    """No step time yet (vLLM has generated nothing): the request queues, as under --policy
+    queue. Once it is known, a wait that only requests not yet started stand in (held at their
+    worst, never freed) is taken as long."""
+    clock = Clock()
+    ac = AdmissionController(
+        Ledger(BLOCKS, clock=clock),
+        clock=clock,
+        headroom=0.0,
+        policy="spill",  # type: ignore[arg-type]
+    )
+    ac.on_snapshot(snapshot(clock))
+    held = [ac.try_admit(Ask(proj(100, 924), streamed=True)) for _ in range(7)]
+    assert all(d is not None and d.admitted for d in held)
+    assert ac.pools[0].view.seconds_per_step is None
+    [cold] = ac.expected_waits(Ask(BIG, streamed=True))
+    assert cold.cold and cold.seconds is None
+    assert ac.try_admit(Ask(BIG, streamed=True)) is None  # queued
+
+    ac.pools[0].view.seconds_per_step = STEP  # as a scrape would teach it
+    [unbounded] = ac.expected_waits(Ask(BIG, streamed=True))
+    assert unbounded.steps is None and unbounded.seconds == float("inf")
+    refused = ac.try_admit(Ask(BIG, streamed=True))
+    assert refused is not None and refused.reason is Reason.SPILLED
+    assert "cannot be bounded" in refused.message
+    assert refused.retry_after is not None and refused.retry_after >= 1.0
+
+
+def test_queue_and_reject_policies_are_unchanged() -> None:
+    """The same long wait: --policy queue queues it, --policy reject refuses it kv_cache_full."""
+    for policy, expect in (("queue", None), ("reject", Reason.KV_CACHE_FULL)):
+        clock = Clock()
+        ac = controller(clock, policy=policy)
+        run_seven(ac, clock, (700,) * 7)
+        d = ac.try_admit(Ask(BIG, streamed=True))
+        assert (d.reason if d is not None else None) == expect
