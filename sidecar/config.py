@@ -149,15 +149,16 @@ class Settings(BaseSettings):
     """Share of KV blocks never promised to requests."""
     reservation: ReservationMode = ReservationMode.adaptive
     """adaptive: each request reserved to the quantile of its class's answer lengths at which
-    the recompute a preemption would cost on this engine is at most --risk-steps decode steps
+    the recompute a preemption would cost on this engine is at most what running it in the
+    batch saves, and at least --risk-steps decode steps
     (lengths from vLLM's own history at the first scrape, 256 output tokens where nothing is
     known and a recompute is cheap); worst-case: every request may run to max_tokens (no
     preemption, ever); expected: a learned length per request class (endpoint and max_tokens
     bucket, or the x-kv-sidecar-class header) at --expected-quantile."""
     risk_steps: float = Field(default=1.0, gt=0)
-    """adaptive mode: decode steps of recompute a request may risk, as the chance that its answer
-    runs past its reservation times what its recompute would cost (README: How admission
-    decides)."""
+    """adaptive mode: decode steps of recompute a request may risk at least, as the chance that
+    its answer runs past its reservation times what its recompute would cost; more where
+    running it in the batch saves more (README: How admission decides)."""
     tpot_target: float | None = Field(default=None, gt=0)
     """Seconds a decode step may take: a request whose sequences would make vLLM's step slower
     than this (by the step time learned against the batch) waits, or is refused with 429

@@ -128,15 +128,16 @@ def test_history_with_answers_past_the_last_bucket_reserves_to_max_tokens() -> N
     assert ac.ends(chat(300), "chat:none") == (MAX_MODEL_LEN - 300,)
 
 
-def _costly(ac: AdmissionController, clock: Clock, *, per_token: float) -> None:
-    """Teach the controller an engine whose step takes 10 ms + ``per_token`` per token: prefill
-    steps among decode steps, then decode alone long enough for the smoothed decode step
-    (weight 0.2 a scrape) to hold under 1 % of the mixed ones."""
-    prev = snapshot(clock, running=8)
+def _costly(ac: AdmissionController, clock: Clock, *, per_token: float, running: int = 8) -> None:
+    """Teach the controller an engine whose step takes 10 ms + ``per_token`` per token, with
+    ``running`` sequences decoding: prefill steps among decode steps, then decode alone long
+    enough for the smoothed decode step (weight 0.2 a scrape) to hold under 1 % of the mixed
+    ones."""
+    prev = snapshot(clock, running=running)
     ac.on_snapshot(prev)
     for k in range(32):
         clock.now += 0.5
-        tokens = 8 + (512 if k % 2 and k < 8 else 0)
+        tokens = running + (256 if k % 2 and k < 8 else 0)
         step = 0.010 + per_token * tokens
         steps = 0.5 / step
         prev = dataclasses.replace(
@@ -144,28 +145,53 @@ def _costly(ac: AdmissionController, clock: Clock, *, per_token: float) -> None:
             taken_at=clock(),
             steps_total=prev.steps_total + steps,
             step_tokens_total=prev.step_tokens_total + steps * tokens,
-            inter_token_latency_sum=prev.inter_token_latency_sum + steps * 8 * step,
-            inter_token_latency_count=prev.inter_token_latency_count + steps * 8,
+            inter_token_latency_sum=prev.inter_token_latency_sum + steps * running * step,
+            inter_token_latency_count=prev.inter_token_latency_count + steps * running,
         )
         ac.on_snapshot(prev)
     ac.on_snapshot(dataclasses.replace(prev, running=0, taken_at=clock()))
 
 
 def test_long_prompts_are_held_back_where_a_recompute_is_costly_and_short_ones_are_not() -> None:
-    """On an engine where a prefill token costs 1e-4 s against a 10 ms decode step, a recompute
-    of a 1,500-token prompt and its cold 256 costs ~16 steps: too costly to risk on a guess, so
-    a cold sidecar reserves it to max_tokens; a 100-token prompt costs ~1 step and is risked at
-    the floor."""
+    """On an engine whose step takes 10 ms + 0.3 ms per token, with 64 sequences decoding (a
+    29.2 ms step, 34% of it fixed): a recompute of a 1,500-token prompt and its cold 256 costs
+    ~18 steps, where running one more sequence for 256 tokens saves ~1.4 (256 x 0.34 / 64), so
+    a cold sidecar reserves it to max_tokens; a 100-token prompt's recompute costs ~3.7 steps
+    and is risked at the floor. Where a prefill costs little (0.1 us a token), the long one is
+    risked too."""
     clock = Clock()
     ac = controller(clock)
-    _costly(ac, clock, per_token=1e-4)
+    _costly(ac, clock, per_token=3e-4, running=64)
     tokens_per_step = ac.state().prefill_tokens_per_step
     assert tokens_per_step is not None and tokens_per_step < 200
     assert ac.ends(chat(1500), "chat:none") == (MAX_MODEL_LEN - 1500,)
     assert ac.ends(chat(100), "chat:none") == (COLD_OUTPUT_TOKENS,)
     cheap = controller(clock)
-    _costly(cheap, clock, per_token=1e-7)
+    _costly(cheap, clock, per_token=1e-7, running=64)
     assert cheap.ends(chat(1500), "chat:none") == (COLD_OUTPUT_TOKENS,)
+
+
+def test_a_small_batch_pays_for_the_recompute_a_larger_one_would_not() -> None:
+    """The same engine with 8 sequences decoding (a 12.4 ms step, 81% of it fixed): one more
+    sequence for 256 tokens saves ~26 steps (256 x 0.81 / 8), more than the 1,500-token
+    prompt's recompute risks at the median (~42 steps, half the time), so it is risked at the
+    floor where 64 decoding held it back. With answers of its own (40 of 100-300 tokens) it is
+    reserved to their median, below the 0.75-quantile the engine's recompute alone allows."""
+    clock = Clock()
+    ac = controller(clock)
+    _costly(ac, clock, per_token=3e-4, running=8)
+    costs = ac.pools[0].view.costs
+    assert costs.gain_steps(256) > 20
+    assert ac.ends(chat(1500), "chat:none") == (COLD_OUTPUT_TOKENS,)
+    for length in range(100, 300, 5):
+        ac.learner.observe("chat:none", length)
+    (median,) = ac.ends(chat(100), "chat:none")
+    busy = controller(clock)
+    _costly(busy, clock, per_token=3e-4, running=64)
+    for length in range(100, 300, 5):
+        busy.learner.observe("chat:none", length)
+    (upper,) = busy.ends(chat(100), "chat:none")
+    assert median < upper, (median, upper)
 
 
 def test_a_preemption_widens_adaptive_reservations() -> None:

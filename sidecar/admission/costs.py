@@ -5,9 +5,10 @@ A preemption in vLLM v1 is a recompute: the preempted request's prompt and every
 generated are prefilled again when it is rescheduled. With short prompts that is a few decode
 steps, and running more sequences pays for it; with prompts of thousands of tokens on a large
 model it throws away seconds of prefill, and vLLM can preempt the same requests again and again.
-Admission weighs the two with :meth:`EngineCosts.recompute_steps`: a request is reserved to the
-length quantile at which the recompute it risks costs at most ``risk_steps`` decode steps
-(:func:`reserve_quantile`).
+Admission weighs the two: a request is reserved to the length quantile at which the recompute it
+risks (:meth:`EngineCosts.recompute_steps`, times the chance its answer outruns the quantile)
+costs at most what running it in the batch saves (:meth:`EngineCosts.gain_steps`), and at least
+``risk_steps`` decode steps (:func:`reserve_quantile`).
 
 Learned from each pair of scrapes (``sidecar.engine.snapshot``) while vLLM was busy through the
 interval (requests running at both ends):
@@ -29,6 +30,8 @@ step per ``PRIOR_PREFILL_TOKENS_PER_STEP`` tokens.
 2.0
 >>> [reserve_quantile(steps, risk_steps=1.0) for steps in (1, 4, 9, 19, 99, 500)]
 [0.75, 0.75, 0.9, 0.95, 0.99, None]
+>>> reserve_quantile(30, risk_steps=15.0, quantiles=GAIN_QUANTILES)
+0.5
 """
 
 from __future__ import annotations
@@ -42,19 +45,23 @@ from sidecar.engine.snapshot import EngineSnapshot
 #: of ~1,000 tokens (bound by compute, 2 x 8e9 x 1,000 FLOPs at ~40 % of ~1e15 FLOP/s: ~40 ms)
 #: are within a few x of each other; 1,024 is the round figure between them
 PRIOR_PREFILL_TOKENS_PER_STEP = 1024.0
-#: the length quantiles a request may be reserved to, from the most optimistic
+#: the length quantiles a request may be reserved to, from the most optimistic ...
 QUANTILES = (0.75, 0.9, 0.95, 0.99)
+#: ... and the median too where the measured batch gain is what pays for the risk
+GAIN_QUANTILES = (0.5, *QUANTILES)
 #: weight of the newest interval in the learned figures
 _EWMA = 0.2
 #: intervals with fewer engine steps than this are too short to learn from
 _MIN_STEPS = 4
 
 
-def reserve_quantile(recompute_steps: float, *, risk_steps: float) -> float | None:
-    """The lowest length quantile ``q`` of :data:`QUANTILES` whose risk, ``(1 - q)`` times the
+def reserve_quantile(
+    recompute_steps: float, *, risk_steps: float, quantiles: tuple[float, ...] = QUANTILES
+) -> float | None:
+    """The lowest length quantile ``q`` of ``quantiles`` whose risk, ``(1 - q)`` times the
     recompute's cost in decode steps, is at most ``risk_steps``; None when even the highest is
     too risky (the request is then reserved to its ``max_tokens``)."""
-    for q in QUANTILES:
+    for q in quantiles:
         if round((1.0 - q) * recompute_steps, 9) <= risk_steps:
             return q
     return None
@@ -135,6 +142,32 @@ class EngineCosts:
         if line is None or step is None or step <= 0:
             return tokens / PRIOR_PREFILL_TOKENS_PER_STEP
         return tokens * line[1] / step
+
+    def fixed_share(self) -> float | None:
+        """The share of a decode step at the recent batch that does not grow with the batch
+        (the step line's base over the recent decode step, at most 1; None: unknown). On a GPU
+        that is reading the weights, once per step for the whole batch."""
+        line = self.line()
+        step = self.decode_step_seconds
+        if line is None or step is None or step <= 0:
+            return None
+        return min(1.0, line[0] / step)
+
+    def gain_steps(self, tokens: float) -> float:
+        """Decode steps of the engine's time a sequence saves by decoding ``tokens`` in the
+        recent batch rather than outside it (0 where unknown).
+
+        With the batch held back by the pool, the engine's time per token is ``base / batch +
+        per_token``: one sequence more decodes its ``tokens`` at ``per_token`` each, where the
+        same tokens cost ``base / batch`` more each in the batch without it. That saving, in
+        decode steps, is ``tokens x fixed share / batch``. Adaptive mode lets a request risk
+        that much recompute (the chance its answer outruns its reservation times what its
+        recompute costs): running more pays for preemptions where a step's fixed share is
+        large and the batch small."""
+        share = self.fixed_share()
+        if share is None or tokens <= 0:
+            return 0.0
+        return tokens * share / max(1.0, self.batch)
 
     def figures(self) -> CostFigures:
         line = self.line()

@@ -5,7 +5,9 @@
 - ``expected``: the class's learned length bound at ``--expected-quantile``, its prior share of
   ``max_tokens`` until it has enough answers (``sidecar.admission.learner``);
 - ``adaptive``: the length quantile at which the recompute a preemption would cost on this
-  engine (``sidecar.admission.costs``) is at most ``risk_steps`` decode steps, from the class's
+  engine (``sidecar.admission.costs``) is at most what running the request in the batch saves
+  (a step's fixed share of its answer's steps over the batch), and at least ``risk_steps``
+  decode steps, from the class's
   answers, else every class's (vLLM's own history included). A class with none of its own whose
   requests name their max_tokens (``class:none`` names none) reserves all of it while at least
   ``1 - q`` of the answers seen ran to their max_tokens (vLLM's ``finished_reason="length"``):
@@ -24,7 +26,7 @@ In every mode an answer past its end is expected to run to twice what it has
 
 from __future__ import annotations
 
-from sidecar.admission.costs import EngineCosts, reserve_quantile
+from sidecar.admission.costs import GAIN_QUANTILES, QUANTILES, EngineCosts, reserve_quantile
 from sidecar.admission.learner import UNBOUNDED, LengthLearner
 from sidecar.config import ReservationMode
 
@@ -55,8 +57,13 @@ class Ends:
     def _adaptive(self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> int:
         learner = self.learner
         likely = min(max_tokens, learner.likely(klass) or COLD_OUTPUT_TOKENS)
+        # the recompute a request may risk: what running it in the batch saves (measured; it
+        # may then be reserved to the median), at least --risk-steps
+        gain = costs.gain_steps(likely)
         quantile = reserve_quantile(
-            costs.recompute_steps(prompt_tokens + likely), risk_steps=self.risk_steps
+            costs.recompute_steps(prompt_tokens + likely),
+            risk_steps=max(self.risk_steps, gain),
+            quantiles=GAIN_QUANTILES if gain > self.risk_steps else QUANTILES,
         )
         if quantile is None:
             return max_tokens
