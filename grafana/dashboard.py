@@ -561,13 +561,20 @@ def _risk_row() -> list[PanelBuilder]:
             "Tokens whose recompute (the prefill a preemption makes vLLM redo) costs one decode "
             "step. Adaptive reservations (--reservation adaptive) risk a preemption where it "
             "is cheap and reserve more where it is dear: a request is reserved to the length "
-            "quantile at which the recompute it risks costs at most --risk-steps decode steps.",
+            "quantile at which the recompute it risks costs at most what running it in the batch "
+            "saves (per 1,000 tokens of its answer: the second series, in decode steps), and at "
+            "least --risk-steps decode steps.",
             "short",
             [
                 Query(
                     _per_pod("min", sidecar("kv_sidecar_engine_prefill_tokens_per_step")),
-                    "{{pod}}",
-                )
+                    "{{pod}} tokens a step",
+                ),
+                Query(
+                    _per_pod("min", sidecar("kv_sidecar_engine_batch_gain_steps_per_token"))
+                    + " * 1000",
+                    "{{pod}} steps saved per 1,000 tokens in the batch",
+                ),
             ],
             width=12,
             min_value=0,

@@ -254,3 +254,28 @@ def test_a_named_max_tokens_is_reserved_whole_where_answers_run_to_it() -> None:
         assert d is not None and d.reservation is not None
         ac.release(d.reservation, 60)
     assert ac.ends(completion(300, 800), "completions:1024") == (60,)
+
+
+def test_the_learned_batch_gain_is_exported() -> None:
+    """The fixed share of the step (10 ms of ~12.6) and what one sequence more saves per token
+    at a batch of 8 are in the state and on /metrics; absent before anything is measured."""
+    from prometheus_client.core import Metric
+
+    from sidecar.observability.exporter import cost_families
+
+    def gauges(ac: AdmissionController) -> dict[str, float]:
+        families: list[Metric] = cost_families(ac.state())
+        return {f.name: f.samples[0].value for f in families}
+
+    clock = Clock()
+    ac = controller(clock)
+    assert "kv_sidecar_engine_step_fixed_share" not in gauges(ac)
+    _costly(ac, clock, per_token=3e-4, running=8)
+    state = ac.state()
+    assert state.step_fixed_share is not None and 0.75 < state.step_fixed_share < 0.85
+    assert state.batch_gain_steps_per_token == state.step_fixed_share / 8
+    exported = gauges(ac)
+    assert exported["kv_sidecar_engine_step_fixed_share"] == state.step_fixed_share
+    assert exported["kv_sidecar_engine_batch_gain_steps_per_token"] == (
+        state.batch_gain_steps_per_token
+    )

@@ -65,3 +65,5 @@ class KVState:
     decode_step_seconds: float | None = None
     step_seconds_per_token: float | None = None
     prefill_tokens_per_step: float | None = None
+    step_fixed_share: float | None = None
+    batch_gain_steps_per_token: float | None = None

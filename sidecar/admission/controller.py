@@ -652,6 +652,8 @@ class AdmissionController:
             decode_step_seconds=costs.decode_step_seconds,
             step_seconds_per_token=costs.step_seconds_per_token,
             prefill_tokens_per_step=costs.prefill_tokens_per_step,
+            step_fixed_share=costs.fixed_share,
+            batch_gain_steps_per_token=costs.gain_steps_per_token,
         )
 
     def fail_queue(self) -> None:

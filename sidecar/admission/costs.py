@@ -75,6 +75,8 @@ class CostFigures:
     step_base_seconds: float | None  # the step line's value at no token ...
     step_seconds_per_token: float | None  # ... and its slope per token processed
     prefill_tokens_per_step: float  # tokens whose recompute costs one decode step
+    fixed_share: float | None = None  # of a decode step, what does not grow with the batch
+    gain_steps_per_token: float | None = None  # decode steps a sequence saves per token in it
 
 
 class EngineCosts:
@@ -176,4 +178,6 @@ class EngineCosts:
             step_base_seconds=line[0] if line is not None else None,
             step_seconds_per_token=line[1] if line is not None else None,
             prefill_tokens_per_step=1.0 / max(self.recompute_steps(1.0), 1e-12),
+            fixed_share=self.fixed_share(),
+            gain_steps_per_token=self.gain_steps(1.0) if self.fixed_share() is not None else None,
         )

@@ -415,6 +415,19 @@ def cost_families(state: KVState) -> list[Metric]:
             "reservations risk less where it is low.",
             state.prefill_tokens_per_step,
         ),
+        (
+            "engine_step_fixed_share",
+            "The share of vLLM's decode step that does not grow with the batch (the step line's "
+            "base over the recent decode step): reading the weights, once per step for all.",
+            state.step_fixed_share,
+        ),
+        (
+            "engine_batch_gain_steps_per_token",
+            "Decode steps of vLLM's time one sequence more saves per token it decodes in the "
+            "recent batch (fixed share / batch); adaptive reservations risk up to that times a "
+            "request's likely answer in recompute.",
+            state.batch_gain_steps_per_token,
+        ),
     )
     return [_gauge(name, doc, value) for name, doc, value in figures if value is not None]
 
