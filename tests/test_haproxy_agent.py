@@ -8,7 +8,8 @@ design rests on: that HAProxy's ``retry-on`` refuses 429.
 Real: a real HAProxy process on the shipped file (only its addresses, ports and socket path
 changed), two real sidecars in front of two fake vLLMs, and streams held open through one sidecar
 so that its KV budget fills: the weights HAProxy reports on its runtime API follow each sidecar's
-exported headroom, down to the floor of 1% once requests queue, and back; SIGTERM on a sidecar
+exported headroom, HAProxy routes new requests by them, down to the floor of 1% once requests
+queue, and back; SIGTERM on a sidecar
 holding a stream makes HAProxy put it in DRAIN and send new requests to the other; a sidecar
 whose vLLM stops answering is marked DOWN by its agent. With relay workers the owner serves the
 agent, from the admission state the workers' requests fill.
@@ -156,7 +157,7 @@ def test_the_shipped_haproxy_config_is_valid_and_balances_on_the_agent(tmp_path:
     done = _check(HAPROXY_CFG)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = _lines(HAPROXY_CFG.read_text())
-    assert "balance leastconn" in lines
+    assert "balance roundrobin" in lines  # dynamic weights, and no bias for idle servers
     (defaults,) = [line for line in lines if line.startswith("default-server ")]
     words = defaults.split()
     # the agent's N% is a share of the configured weight: 100 makes it N
@@ -407,6 +408,20 @@ def test_haproxy_weights_follow_each_sidecars_kv_headroom(
     wait_for(lambda: a.state()["in_flight"] == 7, "seven streams admitted", WITHIN)
     assert a.expected_weight() == 5
     wait_for(lambda: gateway.weights() == (5, 100), "HAProxy sees 5%", WITHIN)
+    # and HAProxy routes by them: of 21 small requests through it, the pod at 5% gets about 1
+    # (taking turns, it would get 10 or 11); its answers are slow (its fake's 1 s per token)
+    b.fake.token_delay = 0.0
+    url = f"http://127.0.0.1:{gateway.port}/v1/completions"
+    before = [len(p.fake.generations()) for p in pods]
+    with httpx.Client(timeout=WITHIN) as client:
+        for _ in range(21):
+            reply = client.post(url, json={"model": "tiny", "prompt": "hello", "max_tokens": 1})
+            assert reply.status_code == 200, reply.text
+    to_a, to_b = _served_by(pods, before)
+    assert to_a + to_b == 21 and to_a <= 2, (to_a, to_b)
+    b.fake.token_delay = 1.0
+    wait_for(lambda: a.state()["in_flight"] == 7, "A back to its seven streams", WITHIN)
+    wait_for(lambda: gateway.weights() == (5, 100), "HAProxy back at 5% and 100%", WITHIN)
     a.hold(1)
     wait_for(lambda: a.state()["queue_depth"] == 1, "the eighth queued", WITHIN)
     assert a.expected_weight() == 1
@@ -434,7 +449,7 @@ def test_sigterm_makes_haproxy_drain_the_sidecar_and_send_new_work_elsewhere(
     b = pods[1]
     gateway.wait_checked()
     assert gateway.weights() == (100, 100)
-    # requests through HAProxy reach both pods before the drain (leastconn over equal weights)
+    # requests through HAProxy reach both pods before the drain (round robin over equal weights)
     url = f"http://127.0.0.1:{gateway.port}/v1/completions"
     small = {"model": "tiny", "prompt": "hello", "max_tokens": 1}
     for pod in pods:
