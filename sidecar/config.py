@@ -95,7 +95,7 @@ class Settings(BaseSettings):
     upstream: str = "http://127.0.0.1:8000"
     """Base URL of the vLLM OpenAI server (usually localhost in the same pod)."""
     host: str = "0.0.0.0"
-    """Address the proxy and metrics ports bind to."""
+    """Address the proxy, metrics and agent ports bind to."""
     port: int = Field(default=8080, ge=0, le=65535)
     """Proxy port: clients talk to this instead of vLLM."""
     metrics_port: int = Field(default=9091, ge=0, le=65535)
