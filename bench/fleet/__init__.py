@@ -1,6 +1,6 @@
 """Two vLLM replicas behind nginx: what the sidecars change for a fleet.
 
-    python -m bench.fleet                # 3 interleaved repetitions (about 30 minutes)
+    python -m bench.fleet                # 3 interleaved repetitions (about 45 minutes)
     python -m bench.fleet --quick        # small burst, 1 repetition (a smoke run)
     python -m bench.fleet --report-only  # figures, charts and report from fleet-raw.json
 
@@ -9,16 +9,19 @@ the engine of ingress-nginx, that spreads requests over them by weighted round-r
 for replica A, 1 for replica B: the arrivals are uneven) and retries the other replica on
 ``error timeout http_429 http_503 non_idempotent`` with ``proxy_next_upstream_tries 2``. The
 same skewed burst of long streamed completions (more of them than one replica's pool holds, all
-sent at once) goes through three configurations:
+sent at once) goes through these configurations:
 
 - ``direct``: nginx straight to the two vLLMs;
 - ``sidecar-queue``: nginx to one sidecar per vLLM, ``--policy queue`` (a request that does not
   fit waits in its replica's sidecar);
 - ``sidecar-reject``: nginx to one sidecar per vLLM, ``--policy reject``: a refused request is
   sent by nginx to the other replica; when both refuse, the client gets the 429 and retries after
-  its ``retry-after-ms`` / ``Retry-After`` (at most ``MAX_ATTEMPTS`` attempts).
+  its ``retry-after-ms`` / ``Retry-After`` (at most ``MAX_ATTEMPTS`` attempts);
+- ``sidecar-spill-S`` (S in ``SPILL_WAITS``: 2, 5 and 15): nginx to one sidecar per vLLM,
+  ``--policy spill --spill-wait S``: a request whose expected wait there is at most S seconds
+  queues, a longer one is refused at once and nginx tries the other replica, as under reject.
 
-The nginx configuration is the same in all three (the retry directives only act on 429, 503 and
+The nginx configuration is the same in all of them (the retry directives only act on 429, 503 and
 errors). Figures per replica: vLLM's preemptions, requests served (nginx's access log: the
 upstream that answered 200), generated tokens (vLLM's counter), TTFT and end-to-end p50/p99 of
 the answers it served, vLLM's queue time and the sidecar's queue wait. Per configuration:

@@ -20,7 +20,14 @@ from bench.fleet.run import (
 )
 from harness.bench_util import RESULTS, ROOT, fmt, machine_line, table
 
-COLORS = {"direct": "tab:red", "sidecar-queue": "tab:blue", "sidecar-reject": "tab:green"}
+COLORS = {
+    "direct": "tab:red",
+    "sidecar-queue": "tab:blue",
+    "sidecar-reject": "tab:green",
+    "sidecar-spill-2": "tab:purple",
+    "sidecar-spill-5": "tab:brown",
+    "sidecar-spill-15": "tab:olive",
+}
 
 
 def charts(raw: dict[str, Any], figs: dict[str, dict[str, Any]], suffix: str) -> dict[str, str]:
@@ -65,7 +72,7 @@ def _timeline(
                 linewidth=1,
                 label=f"{name}: vLLM waiting x4",
             )
-            if config == "sidecar-queue":
+            if config == "sidecar-queue" or config.startswith("sidecar-spill"):
                 ax.plot(
                     t,
                     [q * 4 for q in queued],
@@ -171,7 +178,7 @@ def _summary(
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Two vLLM replicas behind nginx: the same skewed burst, three configurations")
+    fig.suptitle("Two vLLM replicas behind nginx: the same skewed burst, each configuration")
     summary = RESULTS / f"fleet-summary{suffix}.png"
     fig.savefig(summary, dpi=85)
     plt.close(fig)
@@ -199,9 +206,10 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
         f"{MAX_MODEL_LEN}`. nginx {raw.get('nginx_version', '?')}, one worker, upstream "
         f"`weight={WEIGHTS['A']}` (A) and `weight={WEIGHTS['B']}` (B), `max_fails=0`, keepalive, "
         "`proxy_buffering off`, `proxy_next_upstream error timeout http_429 http_503 "
-        f"non_idempotent; proxy_next_upstream_tries {NGINX_TRIES}` (the same configuration in "
-        "all three; the exact file is in the raw JSON). Sidecars: defaults plus `--max-queue-wait "
-        "600 --max-queue-depth 1024`, fresh for each run. The burst: "
+        f"non_idempotent; proxy_next_upstream_tries {NGINX_TRIES}` (the same file for every "
+        "configuration; the exact file is in the raw JSON). Sidecars: defaults plus "
+        "`--max-queue-wait 600 --max-queue-depth 1024` (`sidecar-spill-S`: `--policy spill "
+        "--spill-wait S`), fresh for each run. The burst: "
         f"{count} streamed completions sent at once, {prompt_tokens}-token prompts, max_tokens "
         f"{max_tokens} with `ignore_eos` (each reaches {peak} blocks: one pool holds {fit} at "
         f"their peak, the two {2 * fit}). The client retries a 429 or 503 after its "
@@ -213,6 +221,11 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
         "",
     ]
     return lines
+
+
+def _queues(config: str) -> bool:
+    """Whether the configuration's sidecars queue (``queue``, and ``spill`` for short waits)."""
+    return config == "sidecar-queue" or config.startswith("sidecar-spill")
 
 
 def _per_configuration(figs: dict[str, dict[str, Any]]) -> list[str]:
@@ -304,7 +317,7 @@ def _per_replica(figs: dict[str, dict[str, Any]], pngs: dict[str, str]) -> list[
                     fmt(r["e2e_p50"], 1),
                     fmt(r["e2e_p99"], 1),
                     fmt(r["vllm_queue_mean"], 1),
-                    fmt(r["sidecar_queue_mean"], 1) if c == "sidecar-queue" else "-",
+                    fmt(r["sidecar_queue_mean"], 1) if _queues(c) else "-",
                 ]
             )
     lines += [

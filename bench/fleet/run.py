@@ -38,7 +38,14 @@ WEIGHTS = {"A": 3, "B": 1}  # nginx upstream weights: arrivals 3:1
 NGINX_TRIES = 2
 MAX_ATTEMPTS = 30  # the client's attempts per request (a 429 or 503 after the last: it gives up)
 REQUEST_DEADLINE_S = 900.0
-CONFIGS = ["direct", "sidecar-queue", "sidecar-reject"]
+#: ``sidecar-spill-S``: ``--policy spill --spill-wait S`` (S seconds)
+SPILL_WAITS = ("2", "5", "15")
+CONFIGS = [
+    "direct",
+    "sidecar-queue",
+    "sidecar-reject",
+    *(f"sidecar-spill-{s}" for s in SPILL_WAITS),
+]
 FULL_SIZE = (24, 271, 700)  # requests, prompt tokens, max_tokens (ignore_eos)
 QUICK_SIZE = (10, 271, 400)
 
@@ -268,6 +275,15 @@ def sidecar_counters(sidecar: SidecarProcess) -> dict[str, Any]:
 # --- one run ------------------------------------------------------------------------------------
 
 
+def sidecar_flags(config: str) -> list[str]:
+    """The flags of a ``sidecar-*`` configuration's sidecars (``sidecar-spill-S``: ``--policy
+    spill --spill-wait S``)."""
+    policy = config.removeprefix("sidecar-")
+    if policy.startswith("spill-"):
+        return [*queue_flags("spill"), "--spill-wait", policy.removeprefix("spill-")]
+    return queue_flags(policy)
+
+
 def run_config(
     config: str, vllms: dict[str, VllmServer], prompts: list[str], max_tokens: int
 ) -> dict[str, Any]:
@@ -285,8 +301,7 @@ def run_config(
     try:
         if config.startswith("sidecar-"):
             for name, url in urls.items():
-                flags = queue_flags(config.removeprefix("sidecar-"))
-                sidecars[name] = SidecarProcess(url, *flags).start()
+                sidecars[name] = SidecarProcess(url, *sidecar_flags(config)).start()
             for sc in sidecars.values():
                 wait_tokenizer(sc)
             backends = {n: sc.port for n, sc in sidecars.items()}
