@@ -39,8 +39,13 @@ from harness.vllm_cpu import VLLM_CPU_VERSION, ensure_model
 from harness.workload import make_prompts
 
 
+def _suffix(raw: dict[str, Any]) -> str:
+    """The results files' suffix: ``-quick`` for a smoke run, then ``--suffix``."""
+    return str(raw.get("suffix", "-quick" if raw["quick"] else ""))
+
+
 def finish(raw: dict[str, Any], write_report: bool) -> dict[str, Any]:
-    suffix = "-quick" if raw["quick"] else ""
+    suffix = _suffix(raw)
     figs: dict[str, dict[str, Any]] = {}
     for config in CONFIGS:
         runs = sorted(raw["runs"].get(config, []), key=lambda r: r["repetition"])
@@ -53,7 +58,7 @@ def finish(raw: dict[str, Any], write_report: bool) -> dict[str, Any]:
     )
     text = report(raw, figs, pngs)
     print(text)
-    if write_report and not raw["quick"] and set(figs) == set(CONFIGS):
+    if write_report and not suffix and set(figs) == set(CONFIGS):
         update_section(ROOT / "BENCHMARKS.md", "fleet", text)
     return figs
 
@@ -61,7 +66,7 @@ def finish(raw: dict[str, Any], write_report: bool) -> dict[str, Any]:
 def measure(raw: dict[str, Any], configs: list[str], prompts: list[str], started: float) -> None:
     """Every repetition of every configuration, in rotating order, into ``raw["runs"]`` (the raw
     file rewritten after each run, so an interrupted run keeps what it made)."""
-    suffix = "-quick" if raw["quick"] else ""
+    suffix = _suffix(raw)
     max_tokens = raw["size"][2]
     vllms = start_vllms()
     try:
@@ -110,6 +115,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--no-report", action="store_true", help="do not touch BENCHMARKS.md")
     parser.add_argument(
+        "--suffix",
+        default="",
+        help="results files named fleet<suffix>-raw.json etc.; BENCHMARKS.md is left alone",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="redo figures, charts and report from bench/results/fleet-raw.json",
@@ -120,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cli = parser()
     args = cli.parse_args(argv)
-    suffix = "-quick" if args.quick else ""
+    suffix = ("-quick" if args.quick else "") + args.suffix
     if args.report_only:
         stored = json.loads((RESULTS / f"fleet{suffix}-raw.json").read_text())
         return finish(stored, not args.no_report)
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     raw: dict[str, Any] = {
         "machine": info,
         "quick": args.quick,
+        "suffix": suffix,
         "vllm": f"{VLLM_CPU_VERSION} (CPU build)",
         "nginx_version": re.sub(r"^nginx version: ", "", nginx_version),
         "size": [count, prompt_tokens, max_tokens],
