@@ -4,12 +4,19 @@ Each alert names its runbook in ``docs/alerts.md`` (the anchor is the alert's na
 case). Sidecar alerts aggregate ``by (namespace, pod)``: one sidecar per vLLM pod, so each alert
 names one pod, and a pod scraped twice does not alert twice.
 
+Two things differ from one installation to the next and are parameters of :func:`rule_groups`
+(``python -m grafana.build --runbook-base URL --sidecar-matcher MATCHER``), with the defaults
+below: where the runbooks live, and the matcher that finds the sidecar's scrape targets.
+
 >>> [rule["alert"] for rule in rule_groups()[0]["rules"]][:2]
 ['KVSidecarOOMRiskHigh', 'VLLMPreempting']
+>>> rule_groups("https://wiki.example.com/kv")[0]["rules"][0]["annotations"]["runbook_url"]
+'https://wiki.example.com/kv#kvsidecaroomriskhigh'
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +38,13 @@ GROUP = "kv-sidecar"
 #: on ``job`` where the sidecar has a job of its own. KVSidecarVLLMDown covers vLLM.
 SIDECAR_TARGET_MATCHER = 'container="kv-sidecar"'
 
-#: Where the runbooks live; each alert links to ``#<alert name in lower case>``.
+#: Where the runbooks live by default; each alert links to ``<base>#<alert name in lower case>``.
 RUNBOOK_BASE_URL = "https://github.com/vllm-kv-sidecar/vllm-kv-sidecar/blob/main/docs/alerts.md"
+
+#: Label matchers as PromQL spells them in a selector: each a label name, an operator and a
+#: double-quoted value, comma-separated.
+_ONE_MATCHER = r'[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"'
+_MATCHERS = re.compile(rf"{_ONE_MATCHER}(?:\s*,\s*{_ONE_MATCHER})*")
 
 #: Past this age the sidecar's view of vLLM is stale: 3x the default --metrics-stale-after (5 s)
 #: and 30 of its default scrape intervals (0.5 s), so a slow scrape or two never fires it.
@@ -67,8 +79,8 @@ class Alert:
     summary: str
     description: str
 
-    def rule(self) -> dict[str, Any]:
-        """The rule as Prometheus's rules file spells it."""
+    def rule(self, runbook_base: str = RUNBOOK_BASE_URL) -> dict[str, Any]:
+        """The rule as Prometheus's rules file spells it, its runbook under ``runbook_base``."""
         return {
             "alert": self.name,
             "expr": self.expr,
@@ -77,16 +89,16 @@ class Alert:
             "annotations": {
                 "summary": self.summary,
                 "description": self.description,
-                "runbook_url": f"{RUNBOOK_BASE_URL}#{self.name.lower()}",
+                "runbook_url": f"{runbook_base}#{self.name.lower()}",
             },
         }
 
 
 _WHERE = "{{ $labels.namespace }}/{{ $labels.pod }}"
-_UP = selector("up", SIDECAR_TARGET_MATCHER)
 _ESTIMATED = selector("kv_sidecar_prompt_counts_total", 'method="estimate"')
 
-ALERTS: tuple[Alert, ...] = (
+#: Every alert but KVSidecarDown (:func:`sidecar_down`) and KVSidecarVLLMDown, in order.
+_PER_POD_ALERTS: tuple[Alert, ...] = (
     Alert(
         name="KVSidecarOOMRiskHigh",
         expr="max by (namespace, pod) (kv_sidecar_oom_risk_ratio) > 1",
@@ -221,9 +233,27 @@ ALERTS: tuple[Alert, ...] = (
             "of vLLM all wait for it: latency grows and its view of vLLM can go stale."
         ),
     ),
-    Alert(
+)
+
+_VLLM_DOWN = Alert(
+    name="KVSidecarVLLMDown",
+    expr="max by (namespace, pod) (kv_sidecar_vllm_up) == 0",
+    for_="2m",
+    severity="critical",
+    summary="The sidecar cannot reach vLLM.",
+    description=(
+        f"{_WHERE}: the sidecar's scrapes of vLLM's /metrics have failed for 2 minutes. "
+        "Generation requests get 503 with Retry-After."
+    ),
+)
+
+
+def sidecar_down(sidecar_matcher: str = SIDECAR_TARGET_MATCHER) -> Alert:
+    """KVSidecarDown, on the scrape targets ``up{<sidecar_matcher>}`` selects."""
+    up = selector("up", sidecar_matcher)
+    return Alert(
         name="KVSidecarDown",
-        expr=f"{_UP} == 0\nor\nabsent({_UP})",
+        expr=f"{up} == 0\nor\nabsent({up})",
         for_="5m",
         severity="critical",
         summary="Prometheus cannot scrape the KV sidecar.",
@@ -232,25 +262,33 @@ ALERTS: tuple[Alert, ...] = (
             "{{ $labels.instance }} ("
             + _WHERE
             + "){{ else }}No target matching up{"
-            + SIDECAR_TARGET_MATCHER.replace('"', "'")
+            + sidecar_matcher.replace('"', "'")
             + "} is scraped{{ end }}. Clients of a sidecar that is down get no answer, and its "
             "admission is unobserved."
         ),
-    ),
-    Alert(
-        name="KVSidecarVLLMDown",
-        expr="max by (namespace, pod) (kv_sidecar_vllm_up) == 0",
-        for_="2m",
-        severity="critical",
-        summary="The sidecar cannot reach vLLM.",
-        description=(
-            f"{_WHERE}: the sidecar's scrapes of vLLM's /metrics have failed for 2 minutes. "
-            "Generation requests get 503 with Retry-After."
-        ),
-    ),
-)
+    )
 
 
-def rule_groups() -> list[dict[str, Any]]:
-    """The ``groups`` of a Prometheus rules file (and of the PrometheusRule's spec)."""
-    return [{"name": GROUP, "rules": [alert.rule() for alert in ALERTS]}]
+def alerts(sidecar_matcher: str = SIDECAR_TARGET_MATCHER) -> tuple[Alert, ...]:
+    """Every alert, KVSidecarDown on the targets ``sidecar_matcher`` selects (one matcher or
+    several, comma-separated, as in a PromQL selector)."""
+    if not _MATCHERS.fullmatch(sidecar_matcher):
+        raise ValueError(
+            f'not PromQL label matchers (label="value", or =~, !=, !~): {sidecar_matcher!r}'
+        )
+    return (*_PER_POD_ALERTS, sidecar_down(sidecar_matcher), _VLLM_DOWN)
+
+
+#: The alerts with the default sidecar matcher.
+ALERTS: tuple[Alert, ...] = alerts()
+
+
+def rule_groups(
+    runbook_base: str = RUNBOOK_BASE_URL, sidecar_matcher: str = SIDECAR_TARGET_MATCHER
+) -> list[dict[str, Any]]:
+    """The ``groups`` of a Prometheus rules file (and of the PrometheusRule's spec): runbooks
+    under ``runbook_base`` (a URL without a fragment), KVSidecarDown on ``sidecar_matcher``."""
+    if not re.fullmatch(r"https?://[^\s#]+", runbook_base):
+        raise ValueError(f"not an http(s) URL without a #fragment: {runbook_base!r}")
+    rules = [alert.rule(runbook_base) for alert in alerts(sidecar_matcher)]
+    return [{"name": GROUP, "rules": rules}]

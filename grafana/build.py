@@ -6,13 +6,26 @@ PrometheusRule (prometheus-operator) holding the same groups. Run from anywhere:
 
     python -m grafana.build          # rewrite the files
     python -m grafana.build --check  # exit 1 if a committed file differs from what is built now
+
+The alert rules take three parameters, each with the default the committed files are built with:
+``--runbook-base URL`` (where each alert's ``runbook_url`` points, ``URL#<alert name in lower
+case>``), ``--rule-label KEY=VALUE`` (repeatable: labels on the PrometheusRule, such as the
+``release: <name>`` a kube-prometheus-stack Prometheus's ruleSelector matches) and
+``--sidecar-matcher MATCHER`` (the label matchers of ``up`` that find the sidecar's scrape
+targets, for KVSidecarDown). Building the alert rules needs only the sidecar's own dependencies
+(PyYAML comes with transformers, huggingface-hub and uvicorn[standard]); the dashboard needs
+grafana-foundation-sdk, from the ``test`` extra. Without it the rule files are rebuilt, and the
+dashboard's files are left as they are (they do not depend on these parameters); ``--rules-only``
+leaves the dashboard out, so that ``--check`` can check the rule files alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +34,7 @@ import yaml
 if __package__ in (None, ""):  # run as ``python grafana/build.py``: make ``grafana`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grafana.alerts import rule_groups
-from grafana.dashboard import build_dashboard
+from grafana.alerts import RUNBOOK_BASE_URL, SIDECAR_TARGET_MATCHER, rule_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_JSON = ROOT / "grafana" / "kv-sidecar.json"
@@ -82,36 +94,146 @@ def dashboard_configmap(dashboard_text: str) -> dict[str, Any]:
     }
 
 
-def prometheus_rule(groups: list[dict[str, Any]]) -> dict[str, Any]:
+def prometheus_rule(
+    groups: list[dict[str, Any]], labels: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The PrometheusRule holding ``groups``, labelled ``COMMON_LABELS`` and ``labels``."""
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": PROMETHEUS_RULE_NAME, "labels": dict(COMMON_LABELS)},
+        "metadata": {"name": PROMETHEUS_RULE_NAME, "labels": {**COMMON_LABELS, **(labels or {})}},
         "spec": {"groups": groups},
     }
 
 
-def render() -> dict[Path, str]:
-    """Every generated file's path and the text it should hold now."""
-    dashboard_text = dashboard_json(build_dashboard())
-    groups = rule_groups()
-    return {
-        DASHBOARD_JSON: dashboard_text,
-        DASHBOARD_CONFIGMAP: _header("grafana/dashboard.py")
-        + to_yaml(dashboard_configmap(dashboard_text)),
+#: A Kubernetes label key (an optional DNS-subdomain prefix and a name) and value.
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}")
+_LABEL_VALUE = re.compile(rf"({_LABEL_NAME})?")
+
+
+def label(pair: str) -> tuple[str, str]:
+    """``KEY=VALUE`` as a Kubernetes label, or ValueError.
+
+    >>> label("release=kube-prometheus-stack")
+    ('release', 'kube-prometheus-stack')
+    """
+    key, sep, value = pair.partition("=")
+    if not sep or not _LABEL_KEY.fullmatch(key) or not _LABEL_VALUE.fullmatch(value):
+        raise ValueError(f"not a Kubernetes label KEY=VALUE: {pair!r}")
+    return key, value
+
+
+def _dashboard_builder() -> Callable[[], dict[str, Any]] | None:
+    """``build_dashboard``, or None where grafana-foundation-sdk (the test extra) is missing."""
+    try:
+        from grafana.dashboard import build_dashboard
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] == "grafana_foundation_sdk":
+            return None
+        raise
+    return build_dashboard
+
+
+def render(
+    *,
+    runbook_base: str = RUNBOOK_BASE_URL,
+    rule_labels: Mapping[str, str] | None = None,
+    sidecar_matcher: str = SIDECAR_TARGET_MATCHER,
+    dashboard: bool = True,
+) -> dict[Path, str]:
+    """Every generated file's path and the text it should hold now: the alert rules built with
+    these parameters, and the dashboard's two files unless ``dashboard`` is false."""
+    groups = rule_groups(runbook_base, sidecar_matcher)
+    files = {
         ALERTS_YAML: _header("grafana/alerts.py") + to_yaml({"groups": groups}),
-        PROMETHEUS_RULE: _header("grafana/alerts.py") + to_yaml(prometheus_rule(groups)),
+        PROMETHEUS_RULE: _header("grafana/alerts.py")
+        + to_yaml(prometheus_rule(groups, rule_labels)),
     }
+    if dashboard:
+        build_dashboard = _dashboard_builder()
+        if build_dashboard is None:
+            raise ModuleNotFoundError(
+                "the dashboard needs grafana-foundation-sdk (pip install -e '.[test]')",
+                name="grafana_foundation_sdk",
+            )
+        dashboard_text = dashboard_json(build_dashboard())
+        files = {
+            DASHBOARD_JSON: dashboard_text,
+            DASHBOARD_CONFIGMAP: _header("grafana/dashboard.py")
+            + to_yaml(dashboard_configmap(dashboard_text)),
+            **files,
+        }
+    return files
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grafana.build", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m grafana.build",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 if a file is out of date"
     )
+    parser.add_argument(
+        "--runbook-base",
+        default=RUNBOOK_BASE_URL,
+        metavar="URL",
+        help="where the runbooks live: each alert's runbook_url is URL#<alert name in lower "
+        f"case> (default: {RUNBOOK_BASE_URL})",
+    )
+    parser.add_argument(
+        "--rule-label",
+        action="append",
+        default=[],
+        type=label,
+        metavar="KEY=VALUE",
+        help="a label on the PrometheusRule, such as the one your Prometheus's ruleSelector "
+        "matches (kube-prometheus-stack: release=<its release name>); repeatable (default: none)",
+    )
+    parser.add_argument(
+        "--sidecar-matcher",
+        default=SIDECAR_TARGET_MATCHER,
+        metavar="MATCHER",
+        help="label matchers of up that select the sidecar's scrape targets, for KVSidecarDown "
+        f"(default: {SIDECAR_TARGET_MATCHER})",
+    )
+    parser.add_argument(
+        "--rules-only",
+        action="store_true",
+        help="build (or check) only the alert rules' two files, not the dashboard's",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    dashboard = not args.rules_only
+    if dashboard and _dashboard_builder() is None:
+        if args.check:
+            parser.error(
+                "checking the dashboard needs grafana-foundation-sdk (the test extra); "
+                "--rules-only checks the alert rules alone"
+            )
+        print(
+            "grafana-foundation-sdk (the test extra) is not installed: the dashboard's files "
+            "are left as they are; building the alert rules only",
+            file=sys.stderr,
+        )
+        dashboard = False
+    try:
+        files = render(
+            runbook_base=args.runbook_base,
+            rule_labels=dict(args.rule_label),
+            sidecar_matcher=args.sidecar_matcher,
+            dashboard=dashboard,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     stale = []
-    for path, text in render().items():
+    for path, text in files.items():
         current = path.read_text(encoding="utf-8") if path.exists() else None
         if current == text:
             continue

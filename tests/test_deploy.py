@@ -3,10 +3,11 @@
 Every kustomization renders with ``kubectl kustomize`` and every object it yields passes
 kubernetes-validate's strict schemas, at the oldest Kubernetes the manifests support and at the
 newest the package ships; custom resources it has no schema for (PodMonitor, PrometheusRule,
-ScaledObject) get their required fields checked here. The other tests tie the manifests to the
-code: the Service reaches the sidecar's proxy port, the probes hit /readyz and /healthz on the
-metrics port, the grace period covers the drain, and every flag and env var handed to the
-sidecar is one that ``kv-sidecar serve`` has.
+ScaledObject) get their required fields checked (tests/support/schemas.py). The Components, and
+what an operator's own kustomization changes through them, are in tests/test_components.py.
+The other tests tie the manifests to the code: the Service reaches the sidecar's proxy port, the
+probes hit /readyz and /healthz on the metrics port, the grace period covers the drain, and every
+flag and env var handed to the sidecar is one that ``kv-sidecar serve`` has.
 """
 
 from __future__ import annotations
@@ -41,15 +42,13 @@ from tests.support.manifests import (
     of_kind,
     render,
 )
+from tests.support.schemas import K8S_VERSIONS, assert_valid
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 LOCK = ROOT / "requirements.lock"
 
 ENV_PREFIX = "KV_SIDECAR_"
-
-#: The preStop ``sleep`` action needs 1.30 (beta, on by default); the newest schemas shipped.
-K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 
 #: Kustomizations that must exist; every directory under deploy/overlays is tested anyway.
 EXPECTED = {
@@ -185,70 +184,11 @@ def test_every_expected_kustomization_exists() -> None:
     assert EXPECTED <= set(KUSTOMIZATIONS), EXPECTED - set(KUSTOMIZATIONS)
 
 
-def _check_pod_monitor(doc: dict[str, Any]) -> None:
-    spec = doc["spec"]
-    assert spec["selector"]["matchLabels"], "a PodMonitor without a selector scrapes nothing"
-    endpoints = spec["podMetricsEndpoints"]
-    assert endpoints
-    for endpoint in endpoints:
-        assert isinstance(endpoint["port"], str) and endpoint["port"], endpoint
-        assert endpoint.get("path", "/metrics").startswith("/"), endpoint
-
-
-def _check_prometheus_rule(doc: dict[str, Any]) -> None:
-    groups = doc["spec"]["groups"]
-    assert groups
-    for group in groups:
-        assert group["name"]
-        assert group["rules"], group["name"]
-        for rule in group["rules"]:
-            assert ("alert" in rule) != ("record" in rule), rule
-            assert isinstance(rule["expr"], str) and rule["expr"].strip(), rule
-
-
-def _check_scaled_object(doc: dict[str, Any]) -> None:
-    spec = doc["spec"]
-    assert spec["scaleTargetRef"]["name"]
-    assert spec.get("minReplicaCount", 0) <= spec.get("maxReplicaCount", 100)
-    assert spec["triggers"]
-    for trigger in spec["triggers"]:
-        assert trigger["type"] == "prometheus", trigger
-        meta = trigger["metadata"]
-        assert meta["serverAddress"].startswith(("http://", "https://")), meta
-        assert meta["query"].strip(), meta
-        assert float(meta["threshold"]) > 0, meta
-        # KEDA's fallback works only for AverageValue triggers (ScaledObject reference, fallback)
-        assert trigger.get("metricType", "AverageValue") == "AverageValue", trigger
-    fallback = spec["fallback"]
-    assert fallback["failureThreshold"] >= 1
-    assert spec.get("minReplicaCount", 0) <= fallback["replicas"] <= spec["maxReplicaCount"]
-    # a Prometheus outage never scales in: KEDA (2.17+) falls back to max(current, replicas),
-    # where the default (static) would set fallback.replicas whatever the current size
-    assert fallback.get("behavior") == "currentReplicasIfHigher", fallback
-
-
-#: Custom resources kubernetes-validate has no schema for, and what each must carry.
-CUSTOM_RESOURCES = {
-    ("monitoring.coreos.com/v1", "PodMonitor"): _check_pod_monitor,
-    ("monitoring.coreos.com/v1", "PrometheusRule"): _check_prometheus_rule,
-    ("keda.sh/v1alpha1", "ScaledObject"): _check_scaled_object,
-}
-
-
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_renders_and_passes_the_schemas(kustomization: str, version: str) -> None:
     for doc in render(kustomization):
-        where = f"deploy/{kustomization}: {doc['kind']}/{doc['metadata']['name']}"
-        try:
-            kubernetes_validate.validate(doc, version, strict=True)
-        except kubernetes_validate.SchemaNotFoundError:
-            check = CUSTOM_RESOURCES.get((doc["apiVersion"], doc["kind"]))
-            assert check is not None, f"{where}: no schema and no check for {doc['apiVersion']}"
-            assert doc["metadata"]["name"], where
-            check(doc)
-        except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{where} fails the {version} schema: {exc.message} at {list(exc.path)}")
+        assert_valid(doc, version, f"deploy/{kustomization}")
 
 
 # --- the sidecar container ----------------------------------------------------------------------

@@ -13,6 +13,8 @@
 - ``wait``: ``wait_for`` and ``eventually`` (async), poll-until-true with a deadline.
 - ``manifests``: ``render``, the deploy/ kustomizations as ``kubectl kustomize`` prints them, and
   lookups in them (``of_kind``, ``container``, ``container_port``).
+- ``schemas``: ``assert_valid``, a rendered object against kubernetes-validate's strict schemas
+  (custom resources by hand).
 - ``sim``: what the tests on the simulated engine read of its /metrics.
 - ``autoscalers``: the shipped KEDA and HPA overlays' queries and targets, and KEDA's formula.
 - ``vllm_idle``: ``idle_preemptions``, vLLM's preemption counter once vLLM is idle (fails if not).

@@ -1,8 +1,9 @@
 """The kustomizations under deploy/, rendered with ``kubectl kustomize``, and lookups in them.
 
 ``render("base")`` is the objects ``kubectl kustomize deploy/base`` prints (once a session: the
-answer is cached); :func:`of_kind`, :func:`container` and :func:`container_port` find a kind, a
-container (the sidecar's is :data:`SIDECAR`, vLLM's :data:`VLLM`) and the number a port name means.
+answer is cached), ``render_dir(path)`` those of any kustomization; :func:`of_kind`,
+:func:`container` and :func:`container_port` find a kind, a container (the sidecar's is
+:data:`SIDECAR`, vLLM's :data:`VLLM`) and the number a port name means.
 
 >>> sidecar = {"name": SIDECAR, "ports": [{"name": "metrics", "containerPort": 9091}]}
 >>> container_port(sidecar, "metrics"), container_port(sidecar, 9091)
@@ -30,19 +31,25 @@ VLLM = "vllm"
 @functools.cache
 def render(kustomization: str) -> tuple[dict[str, Any], ...]:
     """The objects ``kubectl kustomize deploy/<kustomization>`` prints."""
+    return render_dir(DEPLOY / kustomization)
+
+
+def render_dir(directory: Path) -> tuple[dict[str, Any], ...]:
+    """The objects ``kubectl kustomize <directory>`` prints (any kustomization, not cached)."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.fail("kubectl is not installed: these tests need it (scripts/system-deps.sh)")
     done = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY / kustomization)],
+        [kubectl, "kustomize", str(directory)],
         capture_output=True,
         text=True,
         check=False,
         timeout=120,
     )
-    assert done.returncode == 0, f"kubectl kustomize deploy/{kustomization}:\n{done.stderr}"
+    where = directory.relative_to(DEPLOY.parent) if directory.is_relative_to(DEPLOY) else directory
+    assert done.returncode == 0, f"kubectl kustomize {where}:\n{done.stderr}"
     docs = tuple(d for d in yaml.safe_load_all(done.stdout) if d)
-    assert docs, f"deploy/{kustomization} renders nothing"
+    assert docs, f"{where} renders nothing"
     return docs
 
 
