@@ -6,7 +6,8 @@ to a copy of deploy/, and renders it with ``kubectl kustomize``: each Component 
 (every object valid, the kinds it adds and nothing else), the base without monitoring, a
 ``namespace:`` set over the autoscaling overlays (the KEDA queries follow it), and the alert
 settings (the runbook base URL and the PrometheusRule's labels) changed by a Component and a patch,
-or by ``python -m grafana.build`` run without the test extra.
+or by ``python -m grafana.build`` run without the test extra; and deploy/README.md's examples of
+such kustomizations, as the README spells them.
 """
 
 from __future__ import annotations
@@ -361,3 +362,52 @@ def test_grafana_build_refuses_settings_it_cannot_build(argument: str) -> None:
     with pytest.raises(SystemExit) as exited:
         build.main(["--check", "--rules-only", argument])
     assert exited.value.code == 2
+
+
+# --- the README's examples ------------------------------------------------------------------------
+
+README = DEPLOY / "README.md"
+
+
+def _readme_examples() -> list[tuple[str, str]]:
+    """(file name, text) of each yaml block in deploy/README.md that starts ``# my-llm/NAME``."""
+    blocks = re.findall(r"^```yaml\n(.*?)^```", README.read_text(encoding="utf-8"), re.M | re.S)
+    found = []
+    for block in blocks:
+        first = re.match(r"# my-llm/([\w.-]+)", block)
+        if first:
+            found.append((first.group(1), block))
+    return found
+
+
+def test_the_readme_examples_render_as_described(tmp_path: Path) -> None:
+    """Each kustomization.yaml of deploy/README.md's Components section, in a directory my-llm/
+    beside deploy/ (a link to this one), with the README's other files beside it."""
+    examples = _readme_examples()
+    others = {name: text for name, text in examples if name != "kustomization.yaml"}
+    kustomizations = [text for name, text in examples if name == "kustomization.yaml"]
+    assert set(others) == {"alert-settings.yaml"} and len(kustomizations) == 2, examples
+    rendered = []
+    for n, text in enumerate(kustomizations):
+        directory = tmp_path / f"example-{n}" / "my-llm"
+        directory.mkdir(parents=True)
+        (tmp_path / f"example-{n}" / "deploy").symlink_to(DEPLOY, target_is_directory=True)
+        (directory / "kustomization.yaml").write_text(text)
+        for name, other in others.items():
+            (directory / name).write_text(other)
+        rendered.append(render_dir(directory))
+    without_monitoring, team_a = rendered
+
+    assert kinds(without_monitoring) == kinds(render("base"))
+    (configmap,) = of_kind(without_monitoring, "ConfigMap")
+    assert configmap["data"]["KV_SIDECAR_POLICY"] == "queue"
+
+    assert {d["metadata"]["namespace"] for d in team_a} == {"team-a"}
+    assert len(queries(team_a)) == 2
+    assert all('namespace="team-a"' in q and "default" not in q for q in queries(team_a))
+    (rule,) = of_kind(team_a, "PrometheusRule")
+    assert _runbooks(rule) == {a.name: f"{RUNBOOKS}#{a.name.lower()}" for a in ALERTS}
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (configmap,) = [c for c in of_kind(team_a, "ConfigMap") if "KV_SIDECAR_POLICY" in c["data"]]
+    assert configmap["data"]["KV_SIDECAR_POLICY"] == "reject"
+    assert kinds(team_a) == {**kinds(render("overlays/reject")), "ScaledObject": 1}
