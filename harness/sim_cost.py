@@ -20,7 +20,9 @@ What it owns:
   its attention parts add. Taking the max over the whole step instead would let the decode
   sequences' KV reads hide behind the prefill's GEMMs, which they do not (different kernels).
 - :func:`memory_budget`: the KV-cache memory vLLM's GPU worker finds at startup:
-  ``ceil(total x utilization) - weights - peak activations - non-torch/CUDA-graph memory``.
+  ``ceil(total x utilization) - weights - peak activations - non-torch/CUDA-graph memory``,
+  with ``sidecar.kv.memory``'s estimates of the last two (the ones ``kv-sidecar plan --gpu``
+  uses) and this model's parameter count for the weights.
 
 - :class:`StepClock`: paces the steps in real time, ``time_scale`` wall seconds per simulated
   second (time dilation, ``KV_SIDECAR_SIM_TIME_SCALE``: a host CPU too slow for the engine's
@@ -47,7 +49,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from harness.gpus import GIB, GpuSpec
+from harness.gpus import GpuSpec
+from sidecar.kv import memory as kv_memory
+from sidecar.kv.memory import MemoryBudget
 
 # --- efficiencies (fractions of the datasheet peaks) ---------------------------------------
 
@@ -81,17 +85,7 @@ ALLREDUCE_LATENCY_SECONDS = 8e-6
 #: graphs do not hide. A placeholder of 0.5 ms, to be calibrated on a GPU.
 STEP_OVERHEAD_SECONDS = 0.0005
 
-# --- memory at startup ----------------------------------------------------------------------
-
-#: Memory vLLM's profile counts besides weights and activations: the non-torch increase
-#: (cuBLAS/NCCL workspaces) and the CUDA-graph estimate it subtracts since v0.21
-#: (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``). Both are typically a few hundred MiB in
-#: published startup logs; 1 GiB together is a rounded guess.
-NON_TORCH_AND_CUDA_GRAPH_BYTES = 1 * GIB
-
-#: The sampler's profile run holds fp32 logits for ``max_num_seqs`` rows over the vocabulary,
-#: and a second copy of them (log-probs / the sorted copy of top-p).
-LOGITS_COPIES = 2
+# --- memory at startup: sidecar.kv.memory's model (one source with `kv-sidecar plan --gpu`) ---
 
 MODEL_DTYPE_BYTES = {"float32": 2, "float": 2, "float16": 2, "half": 2, "bfloat16": 2}
 KV_DTYPE_BYTES = {
@@ -378,25 +372,6 @@ def step_cost(
     )
 
 
-@dataclass(frozen=True)
-class MemoryBudget:
-    """What vLLM's GPU worker finds at startup, per rank, in bytes."""
-
-    total_bytes: int
-    requested_bytes: int
-    weights_bytes: int
-    activation_bytes: int
-    other_bytes: int
-
-    @property
-    def non_kv_bytes(self) -> int:
-        return self.weights_bytes + self.activation_bytes + self.other_bytes
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.requested_bytes - self.non_kv_bytes
-
-
 def memory_budget(
     model: ModelShape,
     gpu: GpuSpec,
@@ -415,15 +390,18 @@ def memory_budget(
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu memory utilization must be in (0, 1], got {gpu_memory_utilization}")
-    requested = math.ceil(gpu.memory_bytes * gpu_memory_utilization)
-    per_token = (model.mlp_width(tp) + 4 * model.hidden) * model.dtype_bytes
-    logits = LOGITS_COPIES * max_num_seqs * model.vocab * 4
-    return MemoryBudget(
-        total_bytes=gpu.memory_bytes,
-        requested_bytes=requested,
+    return kv_memory.memory_budget(
+        gpu.memory_bytes,
+        gpu_memory_utilization,
         weights_bytes=model.weights_bytes(tp),
-        activation_bytes=max_num_batched_tokens * per_token + logits,
-        other_bytes=NON_TORCH_AND_CUDA_GRAPH_BYTES,
+        activation_bytes=kv_memory.activation_peak_bytes(
+            mlp_width=model.mlp_width(tp),
+            hidden=model.hidden,
+            vocab=model.vocab,
+            dtype_bytes=model.dtype_bytes,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        ),
     )
 
 

@@ -80,16 +80,33 @@ MLA_MODEL_TYPES = frozenset(
     }
 )
 
-#: Keys vLLM reads for the model's context length; the smallest present wins.
+#: Keys vLLM reads for the model's context length; the smallest present wins
+#: (``model_max_length`` wins whenever it is set).
 _MAX_LEN_KEYS = (
     "max_position_embeddings",
     "n_positions",
     "max_seq_len",
     "seq_length",
     "model_max_length",
+    "max_target_positions",
     "max_sequence_length",
     "max_seq_length",
     "seq_len",
+)
+
+#: RoPE types whose ``factor`` vLLM does not apply to ``max_position_embeddings`` (already scaled,
+#: or no factor: ``default``, and ``mrope``, which vLLM reads as ``default``).
+_UNSCALED_ROPE = frozenset(
+    {
+        "default",
+        "mrope",
+        "su",
+        "longrope",
+        "llama3",
+        "yarn",
+        "deepseek_yarn",
+        "deepseek_llama_scaling",
+    }
 )
 
 #: Keys under which multimodal configs nest their language model.
@@ -232,22 +249,50 @@ def _layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None,
     return tuple(windows)
 
 
+def derived_max_model_len_and_key(
+    cfg: Mapping[str, Any], tokenizer_model_max_length: int | None = None
+) -> tuple[int, str | None]:
+    """The longest context vLLM lets the model serve, and the config key it comes from.
+
+    vLLM 0.32's ``_get_and_verify_max_len`` and ``derive_max_model_len_and_key``: the smallest
+    of the length keys present, ``model_max_length`` instead when the config sets it, no more
+    than the tokenizer's ``model_max_length``; 2048 (vLLM warns) when none is present; times the
+    RoPE scaling factor except for the types that already scale ``max_position_embeddings``
+    (and Gemma 3, whose figure is already scaled). ``--max-model-len`` above it is refused.
+    """
+    derived: int | None = None
+    key: str | None = None
+    for k in _MAX_LEN_KEYS:
+        v = cfg.get(k)
+        if (
+            isinstance(v, int)
+            and not isinstance(v, bool)
+            and v > 0
+            and (derived is None or v < derived)
+        ):
+            derived, key = v, k
+    explicit = cfg.get("model_max_length")
+    if isinstance(explicit, int) and not isinstance(explicit, bool) and explicit > 0:
+        derived, key = explicit, "model_max_length"  # Command-R / Cohere: this key wins
+    if tokenizer_model_max_length is not None and derived is not None:
+        if tokenizer_model_max_length < derived:
+            derived, key = tokenizer_model_max_length, "tokenizer_config.json model_max_length"
+    if derived is None:
+        derived, key = 2048, None  # vLLM's fallback, with a warning
+    factor = 1.0
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if isinstance(rope, Mapping) and "gemma3" not in str(cfg.get("model_type", "")):
+        nested = [p for p in rope.values() if isinstance(p, Mapping) and p]
+        for params in nested if nested and len(nested) == len(rope) else [rope]:
+            rope_type = params.get("rope_type", params.get("type", "default"))
+            if rope_type not in _UNSCALED_ROPE and isinstance(params.get("factor"), (int, float)):
+                factor = float(params["factor"])
+    return int(derived * factor), key
+
+
 def derived_max_model_len(cfg: Mapping[str, Any]) -> int:
     """The context length vLLM derives from a config when ``--max-model-len`` is not given."""
-    lengths = [
-        v for k in _MAX_LEN_KEYS if isinstance(v := cfg.get(k), int) and not isinstance(v, bool)
-    ]
-    lengths = [v for v in lengths if v > 0]
-    if not lengths:
-        return 2048  # vLLM's fallback, with a warning
-    derived = float(min(lengths))
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if isinstance(rope, Mapping) and "gemma3" not in str(cfg.get("model_type", "")):
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        unscaled = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "mrope")
-        if rope_type not in unscaled and isinstance(rope.get("factor"), (int, float)):
-            derived *= float(rope["factor"])
-    return int(derived)
+    return derived_max_model_len_and_key(cfg)[0]
 
 
 def pp_partition(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
