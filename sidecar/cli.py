@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sidecar import __version__
@@ -18,10 +20,27 @@ from sidecar.kv.geometry import (
     DEFAULT_MAX_CONCURRENT_BATCHES,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     GIB,
+    MODEL_DTYPE_BYTES,
     KVGeometry,
     ModelKV,
-    kv_cache_memory_bytes,
+    derived_max_model_len_and_key,
     load_config,
+    text_config,
+)
+from sidecar.kv.gpus import GPUS, GpuSpec, batch_defaults, gpu
+from sidecar.kv.memory import (
+    NON_TORCH_AND_CUDA_GRAPH_BYTES,
+    ModelSize,
+    activation_peak_bytes,
+    memory_budget,
+    model_weights,
+)
+from sidecar.kv.serving import (
+    check_one_sequence_fits,
+    check_tensor_parallel,
+    resolve_max_model_len,
+    serve_args,
+    shell_line,
 )
 
 if TYPE_CHECKING:
@@ -37,9 +56,112 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def _model_dir(path: str) -> Path | None:
+    """The model directory ``--model-config`` names (a directory, or its ``config.json``)."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    return p.parent if p.name == "config.json" else None
+
+
+def _tokenizer_max_length(model_dir: Path | None) -> int | None:
+    """``model_max_length`` from the model directory's ``tokenizer_config.json``, if any."""
+    if model_dir is None:
+        return None
+    try:
+        data = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = data.get("model_max_length") if isinstance(data, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _gpu_arg(name: str) -> GpuSpec:
+    try:
+        return gpu(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _gib_flag(value: float, flag: str) -> int:
+    if not value >= 0:  # NaN too
+        raise ConfigError(f"{flag} must not be negative, got {value}")
+    return int(value * GIB)
+
+
+def _allow_long() -> bool:
+    """vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (``vllm/envs.py``: "1" or "true")."""
+    return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+
+
+def _budget(
+    args: argparse.Namespace,
+    config: dict[str, Any],
+    model: ModelKV,
+    model_dir: Path | None,
+    total: int,
+    batched_tokens: int,
+    max_num_seqs: int,
+) -> dict[str, Any]:
+    """One rank's memory as vLLM's GPU worker finds it (see ``sidecar.kv.memory``)."""
+    tp, pp = model.tensor_parallel_size, model.pipeline_parallel_size
+    if args.weights_gib is not None:
+        weights, weights_source = _gib_flag(args.weights_gib, "--weights-gib"), "--weights-gib"
+    else:
+        found = model_weights(config, model.model_dtype, model_dir)
+        weights, weights_source = found.per_rank(tp, pp), found.source
+    if args.overhead_gib is not None:
+        activation, other = _gib_flag(args.overhead_gib, "--overhead-gib"), 0
+        overhead_source = "--overhead-gib"
+    else:
+        try:
+            size = ModelSize.from_config(config)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; or pass --overhead-gib") from None
+        activation = activation_peak_bytes(
+            mlp_width=size.mlp_width(tp),
+            hidden=size.hidden,
+            vocab=size.vocab,
+            dtype_bytes=MODEL_DTYPE_BYTES[model.model_dtype],
+            max_num_batched_tokens=batched_tokens,
+            max_num_seqs=max_num_seqs,
+        )
+        other = NON_TORCH_AND_CUDA_GRAPH_BYTES
+        overhead_source = "estimated"
+    budget = memory_budget(
+        total,
+        args.gpu_memory_utilization,
+        weights_bytes=weights,
+        activation_bytes=activation,
+        other_bytes=other,
+    )
+    if budget.kv_cache_bytes <= 0:
+        raise ConfigError(
+            f"no memory left for the KV cache: {_fmt_bytes(total)} x "
+            f"{args.gpu_memory_utilization} = {_fmt_bytes(budget.requested_bytes)} requested, "
+            f"less {_fmt_bytes(weights)} of weights per rank ({weights_source}) and "
+            f"{_fmt_bytes(activation + other)} of activations and other memory "
+            f"({overhead_source}): {_fmt_bytes(budget.kv_cache_bytes)}; vLLM refuses to start "
+            "(No available memory for the cache blocks): add GPUs (-tp) or raise "
+            "--gpu-memory-utilization"
+        )
+    return {
+        "gpu_memory_bytes": total,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "requested_bytes": budget.requested_bytes,
+        "weights_bytes": weights,
+        "weights_source": weights_source,
+        "activation_bytes": activation,
+        "other_bytes": other,
+        "overhead_source": overhead_source,
+        "kv_cache_memory_bytes": budget.kv_cache_bytes,
+    }
+
+
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     """Compute the capacity figures for one model config (what ``kv-sidecar plan`` prints)."""
     config = load_config(args.model_config)
+    model_dir = _model_dir(args.model_config)
     model = ModelKV.from_config(
         config,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -47,11 +169,35 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         pipeline_parallel_size=args.pipeline_parallel_size,
         dtype=args.dtype,
     )
+    check_tensor_parallel(config, args.tensor_parallel_size)
+    allow_long = _allow_long()
+    max_model_len = resolve_max_model_len(
+        config,
+        args.max_model_len,
+        tokenizer_model_max_length=_tokenizer_max_length(model_dir),
+        allow_long=allow_long,
+    )
+    spec: GpuSpec | None = args.gpu
+    total: int | None = None
+    if spec is not None:
+        total = spec.memory_bytes
+        defaults = (spec.default_max_num_batched_tokens, spec.default_max_num_seqs)
+    elif args.gpu_memory_gib is not None:
+        if not args.gpu_memory_gib > 0:
+            raise ConfigError(f"--gpu-memory-gib must be positive, got {args.gpu_memory_gib}")
+        total = int(args.gpu_memory_gib * GIB)
+        defaults = batch_defaults(total)
+    else:
+        defaults = (DEFAULT_MAX_NUM_BATCHED_TOKENS, 1024)
+    batched_tokens = args.max_num_batched_tokens or defaults[0]
+    max_num_seqs = args.max_num_seqs or defaults[1]
+    if batched_tokens <= 0 or max_num_seqs <= 0:
+        raise ConfigError("--max-num-batched-tokens and --max-num-seqs must be positive")
     geo = KVGeometry.build(
         model,
         block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=batched_tokens,
         max_concurrent_batches=args.max_concurrent_batches,
     )
     out: dict[str, Any] = {
@@ -70,32 +216,61 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_parallel_size": model.pipeline_parallel_size,
         "block_size": geo.block_size,
         "max_model_len": geo.max_model_len,
+        "max_num_batched_tokens": batched_tokens,
+        "max_num_seqs": max_num_seqs,
         "bytes_per_token": geo.bytes_per_token,
         "bytes_per_block": geo.bytes_per_block,
         "blocks_per_sequence": geo.blocks_per_sequence,
         "bytes_per_sequence": geo.bytes_per_sequence,
+        "gpu": spec.name if spec else None,
     }
     memory: int | None = None
     if args.kv_cache_memory_gib is not None:
-        if args.kv_cache_memory_gib <= 0:
+        if args.weights_gib is not None or args.overhead_gib is not None:
+            raise ConfigError(
+                "--weights-gib and --overhead-gib do not apply with --kv-cache-memory-gib "
+                "(vLLM's --kv-cache-memory-bytes skips its memory profile)"
+            )
+        if not args.kv_cache_memory_gib > 0:
             raise ConfigError(
                 f"--kv-cache-memory-gib must be positive, got {args.kv_cache_memory_gib}"
             )
         memory = int(args.kv_cache_memory_gib * GIB)
-    elif args.gpu_memory_gib is not None:
-        memory = kv_cache_memory_bytes(
-            args.gpu_memory_gib, args.gpu_memory_utilization, args.weights_gib
-        )
-    elif args.weights_gib:
-        raise ConfigError("--weights-gib needs --gpu-memory-gib")
+        out["kv_cache_memory_bytes"] = memory
+    elif total is not None:
+        out.update(_budget(args, config, model, model_dir, total, batched_tokens, max_num_seqs))
+        memory = out["kv_cache_memory_bytes"]
+    elif args.weights_gib is not None or args.overhead_gib is not None:
+        raise ConfigError("--weights-gib and --overhead-gib need --gpu or --gpu-memory-gib")
     if memory is not None:
+        check_one_sequence_fits(geo, memory)
         num_blocks = geo.num_blocks(memory)
         out.update(
-            kv_cache_memory_bytes=memory,
             num_blocks=num_blocks,
             kv_cache_size_tokens=geo.token_capacity(num_blocks),
             max_concurrency=round(geo.max_concurrency(num_blocks), 4),
         )
+    flags = serve_args(
+        tensor_parallel_size=model.tensor_parallel_size,
+        pipeline_parallel_size=model.pipeline_parallel_size,
+        max_model_len=geo.max_model_len,
+        block_size=geo.block_size,
+        kv_cache_dtype=model.kv_cache_dtype,
+        dtype=args.dtype,
+        max_num_batched_tokens=batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_concurrent_batches=args.max_concurrent_batches,
+        gpu_memory_utilization=args.gpu_memory_utilization if total is not None else None,
+        kv_cache_memory_bytes=memory if args.kv_cache_memory_gib is not None else None,
+    )
+    long = (
+        args.max_model_len is not None
+        and args.max_model_len
+        > derived_max_model_len_and_key(text_config(config), _tokenizer_max_length(model_dir))[0]
+    )
+    env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if allow_long and long else {}
+    out["vllm_serve_args"] = flags
+    out["vllm_serve_command"] = shell_line(str(model_dir or "MODEL"), flags, env)
     return out
 
 
@@ -127,6 +302,25 @@ def _render_table(p: dict[str, Any]) -> str:
             f"{p['blocks_per_sequence']:,} blocks, {_fmt_bytes(p['bytes_per_sequence'])}",
         ),
     ]
+    if "requested_bytes" in p:
+        spec = GPUS[p["gpu"]] if p["gpu"] else None
+        rows += [
+            (
+                "GPU memory (as the driver reports)",
+                f"{_fmt_bytes(p['gpu_memory_bytes'])}"
+                + (f" ({spec.name}: {spec.label})" if spec else " (--gpu-memory-gib)"),
+            ),
+            (
+                f"requested (x {p['gpu_memory_utilization']})",
+                _fmt_bytes(p["requested_bytes"]),
+            ),
+            ("weights per rank", f"{_fmt_bytes(p['weights_bytes'])} ({p['weights_source']})"),
+            (
+                "activation peak + other per rank",
+                f"{_fmt_bytes(p['activation_bytes'])} + {_fmt_bytes(p['other_bytes'])}"
+                f" ({p['overhead_source']})",
+            ),
+        ]
     if "num_blocks" in p:
         rows += [
             ("KV cache memory (per rank)", _fmt_bytes(p["kv_cache_memory_bytes"])),
@@ -135,14 +329,19 @@ def _render_table(p: dict[str, Any]) -> str:
             (f"max concurrency at {p['max_model_len']:,} tokens", f"{p['max_concurrency']:.2f}x"),
         ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    table = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return f"{table}\n\nassumes: {p['vllm_serve_command']}"
 
 
 def _plan_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="KV bytes per token, per block, per sequence, and the concurrency ceiling",
-        description="Size a model's KV cache exactly as vLLM does, before deploying it.",
+        description=(
+            "Size a model's KV cache as vLLM does, before deploying it: on a named GPU (--gpu) "
+            "with the weights read from the model directory, refusing what vLLM refuses, and "
+            "printing the vllm serve flags the figures assume."
+        ),
     )
     p.add_argument("--model-config", required=True, metavar="PATH", help="model dir or config.json")
     p.add_argument(
@@ -151,16 +350,30 @@ def _plan_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="auto", help="model dtype override (auto: from the config)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="default: the model's (max_position_embeddings with RoPE scaling, as vLLM derives)",
+    )
     p.add_argument(
         "--block-size", type=int, default=16, metavar="N", help="tokens per block (GPU: 16)"
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        default=None,
         metavar="N",
-        help="sizes the sliding-window block cap",
+        help="sizes the sliding-window block cap and the activation peak (default: vLLM's for "
+        "the GPU; 8192 without one)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sizes the sampler's share of the activation peak (default: vLLM's for the GPU)",
     )
     p.add_argument(
         "--max-concurrent-batches",
@@ -169,21 +382,43 @@ def _plan_parser(sub: Any) -> None:
         metavar="N",
         help="2 with async scheduling (vLLM's default), else 1",
     )
-    p.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G")
+    memory = p.add_mutually_exclusive_group()
+    memory.add_argument(
+        "--gpu",
+        type=_gpu_arg,
+        default=None,
+        metavar="NAME",
+        help=f"the GPU by name: {', '.join(sorted(GPUS))} (memory as the driver reports it)",
+    )
+    memory.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        metavar="G",
+        help="the GPU's total memory per rank, as nvidia-smi reports it, instead of --gpu",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92, metavar="U")
     p.add_argument(
         "--weights-gib",
         type=float,
-        default=0.0,
+        default=None,
         metavar="W",
-        help="weights and other non-KV memory per rank",
+        help="weights per rank (default: the model directory's safetensors, else estimated "
+        "from config.json, divided by TP x PP)",
+    )
+    p.add_argument(
+        "--overhead-gib",
+        type=float,
+        default=None,
+        metavar="O",
+        help="activation peak, non-torch and CUDA-graph memory per rank (default: estimated)",
     )
     p.add_argument(
         "--kv-cache-memory-gib",
         type=float,
         default=None,
         metavar="G",
-        help="KV memory per rank directly (like VLLM_CPU_KVCACHE_SPACE)",
+        help="KV memory per rank directly (vLLM's --kv-cache-memory-bytes)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -39,10 +39,13 @@ def test_plan_json_has_the_contract_fields() -> None:
         "1.0",
         "--weights-gib",
         "14",
+        "--overhead-gib",
+        "0",
         "--json",
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
+    assert (out["weights_source"], out["overhead_source"]) == ("--weights-gib", "--overhead-gib")
     assert out["bytes_per_token"] == 57_344
     assert out["bytes_per_sequence"] == 8192 * 57_344
     assert out["num_blocks"] == (10 << 30) // (16 * 57_344)
@@ -66,9 +69,9 @@ def test_plan_options_change_the_figures() -> None:
     assert fp8["bytes_per_token"] * 2 == base["bytes_per_token"]
     assert tp4["bytes_per_token"] * 4 == base["bytes_per_token"]
     mem = json.loads(
-        run("plan", "--model-config", QWEN, "--kv-cache-memory-gib", "1", "--json").stdout
+        run("plan", "--model-config", QWEN, "--kv-cache-memory-gib", "4", "--json").stdout
     )
-    assert mem["num_blocks"] == (1 << 30) // base["bytes_per_block"]
+    assert mem["num_blocks"] == (4 << 30) // base["bytes_per_block"]
 
 
 def test_python_dash_m_and_console_script_agree() -> None:

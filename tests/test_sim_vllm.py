@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import sim_cost
-from harness.gpus import GIB, gpu
+from harness.gpus import gpu
 from harness.sim_server import SimServer, model_config
 from tests.support.sim import cache_config, metrics
 
@@ -241,12 +241,12 @@ def test_the_pool_agrees_with_kv_sidecar_plan(sim: SimServer) -> None:
             str(MAX_MODEL_LEN),
             "--block-size",
             str(BLOCK),
-            "--gpu-memory-gib",
-            repr(gpu(GPU).memory_gib),
+            "--gpu",
+            GPU,
             "--gpu-memory-utilization",
             str(UTILIZATION),
-            "--weights-gib",
-            repr(budget.non_kv_bytes / GIB),
+            "--max-num-batched-tokens",
+            str(MAX_NUM_BATCHED_TOKENS),
             "--json",
         ],
         capture_output=True,
@@ -255,6 +255,12 @@ def test_the_pool_agrees_with_kv_sidecar_plan(sim: SimServer) -> None:
         cwd=Path(__file__).resolve().parent.parent,
     )
     figures = json.loads(plan.stdout)
+    # plan --gpu reads nothing else: the weights from the config's parameter count, the
+    # activation peak and other memory from the same estimates the simulated worker uses
+    assert figures["weights_bytes"] == budget.weights_bytes
+    assert figures["activation_bytes"] + figures["other_bytes"] == (
+        budget.activation_bytes + budget.other_bytes
+    )
     assert int(labels["num_gpu_blocks"]) == figures["num_blocks"]
     assert figures["num_blocks"] == budget.kv_cache_bytes // figures["bytes_per_block"]
     assert 200 < figures["num_blocks"] < 300  # the small pool the other tests rely on
@@ -524,12 +530,10 @@ def test_pools_at_scale_agree_with_kv_sidecar_plan() -> None:
                 str(mml),
                 "--block-size",
                 str(BLOCK),
-                "--gpu-memory-gib",
-                repr(spec.memory_gib),
+                "--gpu",
+                gpu_name,
                 "--gpu-memory-utilization",
                 str(pool["gpu_memory_utilization"]),
-                "--weights-gib",
-                repr(pool["non_kv_bytes"] / GIB),
                 "--json",
             ],
             capture_output=True,
@@ -538,6 +542,9 @@ def test_pools_at_scale_agree_with_kv_sidecar_plan() -> None:
             cwd=root,
         )
         figures = json.loads(plan.stdout)
+        # the same model and GPU, nothing else given: the same weights, the same pool
+        assert figures["weights_bytes"] == pool["weights_bytes"], (model, gpu_name, tp)
+        assert figures["kv_cache_memory_bytes"] == pool["kv_cache_memory_bytes"]
         assert pool["num_gpu_blocks"] == figures["num_blocks"], (model, gpu_name, tp)
         # at the scale users run: tens of thousands of blocks
         assert pool["num_gpu_blocks"] > 20_000, (model, gpu_name, tp, pool)
