@@ -2,5 +2,5 @@
 
 ``dashboard`` builds the dashboard, ``alerts`` the alert rules, and ``build`` writes both to the
 committed files (``grafana/kv-sidecar.json``, ``grafana/alerts.yaml`` and their Kubernetes
-wrappers in ``deploy/base/``): ``python -m grafana.build``.
+wrappers in ``deploy/monitoring/``): ``python -m grafana.build``.
 """

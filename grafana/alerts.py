@@ -31,11 +31,13 @@ from grafana.promql import (
 
 GROUP = "kv-sidecar"
 
-#: Label matcher selecting the sidecar's own scrape targets in ``up``. The job label cannot tell
-#: them apart: deploy/base/podmonitor.yaml scrapes vLLM's port and the sidecar's metrics port of
-#: each pod under one job (``<namespace>/llm``). Prometheus Operator labels every target with its
-#: container, so select on that; change it if your sidecar container has another name, or match
-#: on ``job`` where the sidecar has a job of its own. KVSidecarVLLMDown covers vLLM.
+#: Label matcher selecting the sidecar's own scrape targets in ``up`` (the default of
+#: ``python -m grafana.build --sidecar-matcher``). The job label cannot tell them apart:
+#: deploy/components/monitoring/podmonitor.yaml scrapes vLLM's port and the sidecar's metrics
+#: port of each pod under one job (``<namespace>/llm``). Prometheus Operator labels every target
+#: with its container, so select on that; give another matcher if your sidecar container has
+#: another name, or match on ``job`` where the sidecar has a job of its own. KVSidecarVLLMDown
+#: covers vLLM.
 SIDECAR_TARGET_MATCHER = 'container="kv-sidecar"'
 
 #: Where the runbooks live by default; each alert links to ``<base>#<alert name in lower case>``.
