@@ -18,7 +18,8 @@ CPU build behave as vLLM does on the named GPU:
 
 Every flag given here wins over those defaults. Its own flags:
 
-    --gpu NAME            h100-80gb, h200-141gb, a100-80gb (harness.gpus)
+    --gpu NAME            h100-80gb, h200-141gb, a100-80gb, a100-40gb, l40s-48gb, l4-24gb
+                          (sidecar.kv.gpus, re-exported as harness.gpus)
     --model-config PATH   a config.json, or a directory holding one
     --sim-step MODE       roofline (default) | manual | SECONDS (a fixed step time)
     --sim-control H:P     the executor's control channel (GET /state, POST /step); manual needs it
