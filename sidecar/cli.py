@@ -108,7 +108,10 @@ def _budget(
     if args.weights_gib is not None:
         weights, weights_source = _gib_flag(args.weights_gib, "--weights-gib"), "--weights-gib"
     else:
-        found = model_weights(config, model.model_dtype, model_dir)
+        try:
+            found = model_weights(config, model.model_dtype, model_dir)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; pass --weights-gib") from None
         weights, weights_source = found.per_rank(tp, pp), found.source
     if args.overhead_gib is not None:
         activation, other = _gib_flag(args.overhead_gib, "--overhead-gib"), 0
@@ -117,7 +120,7 @@ def _budget(
         try:
             size = ModelSize.from_config(config)
         except ConfigError as exc:
-            raise ConfigError(f"{exc}; or pass --overhead-gib") from None
+            raise ConfigError(f"{exc}; pass --overhead-gib") from None
         activation = activation_peak_bytes(
             mlp_width=size.mlp_width(tp),
             hidden=size.hidden,

@@ -355,6 +355,31 @@ def test_flags_that_cannot_go_together_and_unknown_gpus(
         "--model-config", str(QWEN), "--gpu", "h100", "--weights-gib", "-1", capsys=capsys
     )
     assert "--weights-gib must not be negative" in line
+    line = refused(
+        "--model-config",
+        str(QWEN),
+        "--gpu",
+        "h100",
+        "--gpu-memory-utilization",
+        "1.5",
+        capsys=capsys,
+    )
+    assert "GPU memory utilization must be in (0, 1], got 1.5" in line
+
+
+def test_a_config_too_bare_to_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bare = config(tmp_path)
+    cfg = json.loads((bare / "config.json").read_text())
+    del cfg["vocab_size"]
+    (bare / "config.json").write_text(json.dumps(cfg))
+    assert plan_json("--model-config", str(bare), capsys=capsys)["bytes_per_token"]  # no GPU
+    line = refused("--model-config", str(bare), "--gpu", "l4", capsys=capsys)
+    assert line.endswith("its config is missing 'vocab_size'; pass --weights-gib")
+    line = refused("--model-config", str(bare), "--gpu", "l4", "--weights-gib", "3", capsys=capsys)
+    assert line.endswith("its config is missing 'vocab_size'; pass --overhead-gib")
+    given = ("--gpu", "l4", "--weights-gib", "3", "--overhead-gib", "1.5")
+    out = plan_json("--model-config", str(bare), *given, capsys=capsys)
+    assert out["kv_cache_memory_bytes"] == math.ceil((23_034 << 20) * 0.92) - int(4.5 * GIB)
 
 
 # --- the flags it assumed ----------------------------------------------------------------------

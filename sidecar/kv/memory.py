@@ -64,9 +64,7 @@ INDEX_FILE = "model.safetensors.index.json"
 def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
     value = cfg.get(key, default)
     if value is None:
-        raise GeometryError(
-            f"cannot estimate the weights: model config is missing {key!r} (pass --weights-gib)"
-        )
+        raise GeometryError(f"cannot estimate the model's size: its config is missing {key!r}")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise GeometryError(f"{key!r} must be a non-negative integer, got {value!r}")
     return value
