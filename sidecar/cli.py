@@ -192,8 +192,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         defaults = batch_defaults(total)
     else:
         defaults = (DEFAULT_MAX_NUM_BATCHED_TOKENS, 1024)
-    batched_tokens = args.max_num_batched_tokens or defaults[0]
-    max_num_seqs = args.max_num_seqs or defaults[1]
+    batched_tokens = (
+        defaults[0] if args.max_num_batched_tokens is None else args.max_num_batched_tokens
+    )
+    max_num_seqs = defaults[1] if args.max_num_seqs is None else args.max_num_seqs
     if batched_tokens <= 0 or max_num_seqs <= 0:
         raise ConfigError("--max-num-batched-tokens and --max-num-seqs must be positive")
     geo = KVGeometry.build(

@@ -365,6 +365,8 @@ def test_flags_that_cannot_go_together_and_unknown_gpus(
         capsys=capsys,
     )
     assert "GPU memory utilization must be in (0, 1], got 1.5" in line
+    line = refused("--model-config", str(QWEN), "--max-num-seqs", "0", capsys=capsys)
+    assert "--max-num-batched-tokens and --max-num-seqs must be positive" in line
 
 
 def test_a_config_too_bare_to_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
