@@ -28,6 +28,7 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -38,6 +39,8 @@ from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
 from harness.local import free_port
 from harness.workload import SidecarProcess
 from sidecar.http.agent import AgentServer, Room, agent_reply, weight_percent
+from sidecar.http.lifecycle import ReadyCheck
+from sidecar.http.seams import Traffic
 from tests.support.wait import eventually, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,6 +95,37 @@ def test_the_reply_says_the_state_and_the_weight_in_one_line() -> None:
     odd = agent_reply(Room(None, 0, 0, ready=False, draining=False, why_not="a\r\nb\x00é"))
     assert odd == b"down #a b\n"
     assert agent_reply(Room(None, 0, 0, ready=False, draining=False)) == b"down #not ready\n"
+
+
+def test_not_ready_says_why_in_the_order_readiness_checks() -> None:
+    """``ReadyCheck.why_not``, the agent's ``down #`` description: empty exactly when ready."""
+    traffic = Traffic()
+    health = SimpleNamespace(healthy=True)
+    scraper = SimpleNamespace(latest=object(), age=lambda: 1.0)
+    found: list[bool] = [True]
+    workers: list[bool] = [True]
+    check = ReadyCheck(
+        discovered=lambda: found[0],
+        traffic=traffic,
+        health=health,
+        scraper=scraper,
+        stale_after_seconds=5.0,
+        discovery_error=lambda: "connect error",
+        relays_ready=lambda: workers[0],
+    )
+    assert check.ready() and check.why_not() == ""
+    workers[0] = False
+    assert not check.ready() and check.why_not() == "relay workers not ready"
+    scraper.age = lambda: 7.4
+    assert check.why_not() == "vLLM's metrics 7s old"
+    scraper.latest = None
+    assert check.why_not() == "no scrape of vLLM's metrics yet"
+    health.healthy = False
+    assert check.why_not() == "vLLM not healthy"
+    found[0] = False
+    assert check.why_not() == "engine not found yet: connect error"
+    traffic.draining = True
+    assert check.why_not() == "draining"
 
 
 async def test_the_agent_port_answers_each_connection_with_one_line_and_closes() -> None:
