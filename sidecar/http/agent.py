@@ -25,7 +25,8 @@ its administrative state (``ready``, ``drain``, ``maint``) and its operational s
   ``down#why`` for one unknown word and changes nothing (its stats then say "agent reports an
   error"); ``down #why`` marks the server "DOWN (agent)" and shows "via agent : down (why)".
 
-With relay workers the agent is served by the owner, the process that holds admission.
+With relay workers the agent is served by the owner, the process that holds admission. The agent
+reads nothing HAProxy sends: leave ``agent-send`` out (unread bytes make the close a reset).
 """
 
 from __future__ import annotations
