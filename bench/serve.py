@@ -5,8 +5,9 @@ sent at once (``--request-rate inf``), each answer runs to its length (``--ignor
 vLLM's KV cache holds far fewer answers than the burst. Two engines:
 
 - ``--engine cpu`` (the default): vLLM 0.32's CPU build with the generated tiny model, a pool of
-  64 blocks of 128 tokens; configurations ``direct``, ``sidecar-worst-case`` (``--policy
-  queue``) and ``sidecar-expected`` (the same with ``--reservation expected``);
+  64 blocks of 128 tokens; configurations ``direct``, ``sidecar-adaptive`` (``--policy queue``,
+  the default reservations), ``sidecar-worst-case`` (the same with ``--reservation
+  worst-case``) and ``sidecar-expected`` (``--reservation expected``);
 - ``--engine sim``: the simulated GPU engine (``harness.sim_vllm``, docs/simulated-engine.md:
   an uncalibrated roofline), Llama-3.1-8B-Instruct on one H100 80 GB at ``--max-model-len
   32768 --max-num-seqs 256`` as ``bench.simgpu`` starts it, the pool pinned below the burst's
@@ -73,7 +74,7 @@ from harness.stats import median
 from harness.vllm_cpu import VllmServer, ensure_model, vllm_python
 from harness.workload import SidecarProcess, vllm_preemptions
 
-CONFIGS = ("direct", "sidecar-worst-case", "sidecar-expected")
+CONFIGS = ("direct", "sidecar-adaptive", "sidecar-worst-case", "sidecar-expected")
 SIM_CONFIGS = ("direct", "sidecar-adaptive", "sidecar-worst-case", "direct-watermark")
 #: vLLM's own headroom (``SchedulerConfig.watermark``: the share of the pool kept free when it
 #: admits a waiting or preempted request), on a second server, no sidecar
