@@ -187,7 +187,7 @@ def test_a_long_text_is_tokenized_with_the_gil_released(tiny_tokenizer: ModelTok
     # and the ids are those of the GIL-holding call
     text = prompt_of(5000, salt=3) + " the cache block"
     assert tiny_tokenizer.encode_text(text, add_special_tokens=True) == (
-        tiny_tokenizer._pristine.backend_tokenizer.encode(text, add_special_tokens=True).ids
+        tiny_tokenizer._pristine.encode(text, add_special_tokens=True).ids
     )
 
 

@@ -121,7 +121,7 @@ def _loops_over_content(root: jinja2.nodes.Template) -> bool:
     return False
 
 
-class _GenerationTag(jinja2.ext.Extension):
+class GenerationTag(jinja2.ext.Extension):
     """Parses transformers' ``{% generation %}`` blocks so that templates using them parse."""
 
     tags = {"generation"}
@@ -135,7 +135,7 @@ class _GenerationTag(jinja2.ext.Extension):
 _PARSE_ENV = jinja2.sandbox.ImmutableSandboxedEnvironment(
     trim_blocks=True,
     lstrip_blocks=True,
-    extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    extensions=[GenerationTag, jinja2.ext.loopcontrols],
 )
 
 

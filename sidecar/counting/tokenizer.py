@@ -1,10 +1,14 @@
 """The model's own tokenizer and chat template, in this process: exact local prompt counts.
 
-:class:`ModelTokenizer` wraps a transformers fast tokenizer (untyped behind it) with a small
-pool of copies, so that a long prompt can be counted on a worker thread while the event loop
-keeps serving; :func:`count_locally` tokenizes a plan with it, giving the token ids themselves
-(the counts are their lengths; the ids key the prefix cache's blocks). What vLLM does to the
-messages before the template sees them is in :mod:`sidecar.counting.render`.
+:class:`ModelTokenizer` holds the model's Rust tokenizer (the ``tokenizers`` library) with a
+small pool of copies, so that a long prompt can be counted on a worker thread while the event
+loop keeps serving, and renders the chat template with jinja2 as transformers does
+(:mod:`sidecar.counting.chat_template`); :func:`count_locally` tokenizes a plan with it, giving
+the token ids themselves (the counts are their lengths; the ids key the prefix cache's blocks).
+The directory is read as transformers reads it (:mod:`sidecar.counting.tokenizer_files`);
+transformers itself is needed only for a tokenizer without a ``tokenizer.json`` (the
+``[transformers]`` extra). What vLLM does to the messages before the template sees them is in
+:mod:`sidecar.counting.render`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
+from sidecar.counting.chat_template import TOKENIZE_OPTIONS, render
 from sidecar.counting.content_format import detect_content_format
 from sidecar.counting.plan import ChatPlan, CompletionPlan, PromptTokens
 from sidecar.counting.render import (
@@ -27,6 +34,7 @@ from sidecar.counting.render import (
     fold_developer,
     supports_developer_role,
 )
+from sidecar.counting.tokenizer_files import TokenizerFiles, from_transformers, load_files
 
 #: Model types whose chat prompts vLLM renders without the HF chat template (Harmony).
 _HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
@@ -36,23 +44,22 @@ OFFLOAD_WORKERS = 2
 #: with ``encode``, which holds it (about 1 us cheaper, and they are counted on the event loop
 #: anyway: see ``PromptCounter.offload_threshold_chars``).
 GIL_FREE_CHARS = 2000
-_NO_LENGTH_LIMIT = 1 << 62
 
 
 class ModelTokenizer:
-    """The model's fast tokenizer and chat template, safe to use from several threads.
+    """The model's Rust tokenizer and chat template, safe to use from several threads.
 
-    Fast tokenizers are not safe to share between threads, so, like vLLM, each call borrows
+    Rust tokenizers are not safe to share between threads, so, like vLLM, each call borrows
     its own copy from a small pool.
 
-    Usage (loading takes seconds)::
+    Usage (loading takes a second or so)::
 
         tok = ModelTokenizer.load("/models/tiny")
         tok.count_text("hello world", add_special_tokens=True)  # 3
         tok.encode_text("hello world", add_special_tokens=True)  # [280, 378, 503]
     """
 
-    def __init__(self, hf_tokenizer: Any, *, path: Path, harmony: bool = False) -> None:
+    def __init__(self, files: TokenizerFiles, *, path: Path, harmony: bool = False) -> None:
         # One text per call: rayon's pool cannot split it, and would only add a thread hop to
         # each long count and idle threads that spin on the CPUs the event loop needs. Without
         # it the Rust tokenizer runs on the calling worker thread (GIL released all the same).
@@ -61,43 +68,50 @@ class ModelTokenizer:
         self.path = path
         #: the model renders chat with Harmony, not its HF chat template (gpt-oss)
         self.harmony = harmony
-        _plain(hf_tokenizer)
-        self._pristine = copy.deepcopy(hf_tokenizer)
-        self._pool: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._pool.put(hf_tokenizer)
+        #: ``tokenizers`` (read from tokenizer.json) or ``transformers`` (built by AutoTokenizer)
+        self.loaded_by = files.loaded_by
+        backend = files.backend
+        # vLLM's tokenizer call sets truncation and padding per call, off unless asked; a
+        # tokenizer.json may switch them on.
+        backend.no_truncation()
+        backend.no_padding()
+        self._special_tokens = dict(files.special_tokens)
+        self._pristine = _copy(backend)
+        self._pool: queue.SimpleQueue[Tokenizer] = queue.SimpleQueue()
+        self._pool.put(backend)
         for _ in range(OFFLOAD_WORKERS):
-            self._pool.put(copy.deepcopy(hf_tokenizer))
+            self._pool.put(_copy(backend))
         self._lock = threading.Lock()
-        self._templates = {tools: _chat_template(hf_tokenizer, tools) for tools in (False, True)}
-        self._added = {flag: _added_around(hf_tokenizer, flag) for flag in (False, True)}
+        self._templates = {
+            tools: files.get_chat_template(with_tools=tools) for tools in (False, True)
+        }
+        self._added = {flag: _added_around(backend, flag) for flag in (False, True)}
 
     @classmethod
     def load(cls, path: str | Path) -> ModelTokenizer:
-        """Load the tokenizer in ``path`` (a model or tokenizer directory). Slow: seconds."""
+        """Load the tokenizer in ``path`` (a model or tokenizer directory). Slow: a second or
+        so for a 150k-token vocabulary."""
         directory = Path(path)
         if not directory.is_dir():
             raise FileNotFoundError(f"{directory} is not a directory")
         if _is_mistral_repo(directory):
             # vLLM uses mistral-common for these, not the HF tokenizer.
             raise ValueError(f"{directory} is a Mistral-format repository")
-        from transformers import AutoTokenizer
+        files = load_files(directory)
+        return cls(files, path=directory, harmony=_model_type(directory) in _HARMONY_MODEL_TYPES)
 
-        # Local files only: the sidecar never reaches out to a model hub.
-        hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        if not getattr(hf, "is_fast", False):
-            raise ValueError(f"{directory} has no fast tokenizer")
-        # Counting a prompt longer than the context is expected here (the caller refuses it);
-        # without this, transformers logs a warning about it.
-        hf.model_max_length = _NO_LENGTH_LIMIT
-        return cls(hf, path=directory, harmony=_model_type(directory) in _HARMONY_MODEL_TYPES)
+    @classmethod
+    def from_transformers(cls, hf_tokenizer: Any, *, path: Path) -> ModelTokenizer:
+        """Wrap a loaded transformers fast tokenizer (tests build tokenizers this way)."""
+        return cls(from_transformers(hf_tokenizer), path=path)
 
     @contextmanager
-    def _borrow(self) -> Iterator[Any]:
+    def _borrow(self) -> Iterator[Tokenizer]:
         try:
             tok = self._pool.get_nowait()
         except queue.Empty:
             with self._lock:
-                tok = copy.deepcopy(self._pristine)
+                tok = _copy(self._pristine)
         try:
             yield tok
         finally:
@@ -109,10 +123,9 @@ class ModelTokenizer:
         A text longer than :data:`GIL_FREE_CHARS` is tokenized with the GIL released, so that
         the event loop keeps running while a worker thread counts it (docs/counting-load.md).
         """
-        with self._borrow() as tok:
+        with self._borrow() as backend:
             # the Rust tokenizer itself: what transformers' __call__ runs for a fast tokenizer,
             # without its per-call Python (measured at ~40% of a short prompt's count)
-            backend = tok.backend_tokenizer
             if len(text) > GIL_FREE_CHARS:
                 # encode() holds the GIL for the whole tokenization (a 128k-token prompt: every
                 # thread, the event loop included, stopped for 150-700 ms); encode_batch() lets
@@ -154,45 +167,31 @@ class ModelTokenizer:
         chat = conversation(messages, detect_content_format(template))
         if any(m["role"] == "developer" for m in chat) and not supports_developer_role(template):
             chat = fold_developer(chat)
-        with self._borrow() as tok:
-            rendered = tok.apply_chat_template(
-                chat,
-                tools=tools,
-                chat_template=template,
-                tokenize=tokenize,
-                return_dict=False,
-                **call_kwargs,
-            )
+        if tokenize and any(call_kwargs.get(key) for key in TOKENIZE_OPTIONS):
+            raise NeedsUpstream("chat template kwargs that tokenize otherwise")
+        rendered = render(
+            template, chat, special_tokens=self._special_tokens, tools=tools, **call_kwargs
+        )
         if tokenize:
-            return [int(t) for t in rendered]
-        return str(rendered)
+            # apply_chat_template(tokenize=True): the rendered text, no special tokens added
+            return self.encode_text(rendered, add_special_tokens=False)
+        return rendered
 
 
-def _chat_template(hf_tokenizer: Any, with_tools: bool) -> str | None:
-    try:
-        template = hf_tokenizer.get_chat_template(None, tools=[] if with_tools else None)
-    except Exception:  # no template at all
-        return None
-    return template if isinstance(template, str) else None
+def _copy(backend: Tokenizer) -> Tokenizer:
+    """A copy of the Rust tokenizer; ``encode_special_tokens`` (``split_special_tokens``) is
+    not serialized, so a plain deep copy would lose it."""
+    twin = copy.deepcopy(backend)
+    twin.encode_special_tokens = backend.encode_special_tokens
+    return twin
 
 
-def _plain(hf_tokenizer: Any) -> None:
-    """Turn off truncation and padding in the Rust tokenizer (a ``tokenizer.json`` may switch
-    them on, and they stick after a transformers call that used them): vLLM's tokenizer call
-    sets both per call, off unless asked, and the ids here are read from the Rust tokenizer."""
-    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        backend.no_truncation()
-        backend.no_padding()
-
-
-def _added_around(hf_tokenizer: Any, add_special_tokens: bool) -> tuple[int, int] | None:
+def _added_around(backend: Tokenizer, add_special_tokens: bool) -> tuple[int, int] | None:
     """How many ids the tokenizer's post-processor adds before and after a text (BOS, EOS):
     the same for every text, so read once from a sample; None if it cannot be told."""
     if not add_special_tokens:
         return (0, 0)
     try:
-        backend = hf_tokenizer.backend_tokenizer
         sample = backend.encode("a b", add_special_tokens=True)
         bare = backend.encode("", add_special_tokens=True)
         sequence_ids = list(sample.sequence_ids)
