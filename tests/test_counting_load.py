@@ -187,8 +187,38 @@ def test_a_long_text_is_tokenized_with_the_gil_released(tiny_tokenizer: ModelTok
     # and the ids are those of the GIL-holding call
     text = prompt_of(5000, salt=3) + " the cache block"
     assert tiny_tokenizer.encode_text(text, add_special_tokens=True) == (
-        tiny_tokenizer._pristine.encode(text, add_special_tokens=True).ids
+        tiny_tokenizer._backend.encode(text, add_special_tokens=True).ids
     )
+
+
+def test_threads_share_one_tokenizer_and_get_the_ids_of_one_at_a_time(
+    tiny_tokenizer: ModelTokenizer,
+) -> None:
+    """Every thread encodes with the one Rust tokenizer at once, long texts (the GIL released)
+    and short ones (held) mixed: no error, and each text's ids are those counted alone."""
+    texts = [prompt_of(n, salt=i) for i, n in enumerate((30_000, 40_000, 60, 25_000, 90))]
+    alone = [tiny_tokenizer.encode_text(t, add_special_tokens=True) for t in texts]
+    failures: list[object] = []
+    barrier = threading.Barrier(4)
+
+    def worker(k: int) -> None:
+        barrier.wait()
+        for r in range(5):
+            for i in range(len(texts)):
+                j = (i + k + r) % len(texts)
+                try:
+                    if tiny_tokenizer.encode_text(texts[j], add_special_tokens=True) != alone[j]:
+                        failures.append(("ids", j))
+                except Exception as exc:
+                    failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert failures == []
+    assert not hasattr(tiny_tokenizer, "_pool")  # one tokenizer, no copies
 
 
 async def test_long_counts_beyond_the_cap_are_shed_short_ones_never_wait(

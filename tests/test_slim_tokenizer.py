@@ -247,7 +247,7 @@ def test_the_big_vocabulary_is_real_sized(
     big_pair: tuple[ModelTokenizer, TransformersReference],
 ) -> None:
     slim, reference = big_pair
-    size = slim._pristine.get_vocab_size()
+    size = slim._backend.get_vocab_size()
     assert size == len(reference.hf) >= 151_643
     # the corpus's words are single tokens, as in a trained vocabulary
     text = sample(400)
@@ -359,7 +359,7 @@ def test_tokenizer_configurations_load_the_same(
 def gpt2_style_files(tmp_path: Path) -> Path:
     """A tokenizer with vocab.json and merges.txt and no tokenizer.json: only transformers can
     build it."""
-    tok = ModelTokenizer.load(ensure_tokenizer_model())._pristine
+    tok = ModelTokenizer.load(ensure_tokenizer_model())._backend
     spec = json.loads(tok.to_str())
     (tmp_path / "vocab.json").write_text(json.dumps(spec["model"]["vocab"]))
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]

@@ -1,8 +1,8 @@
 """The model's own tokenizer and chat template, in this process: exact local prompt counts.
 
-:class:`ModelTokenizer` holds the model's Rust tokenizer (the ``tokenizers`` library) with a
-small pool of copies, so that a long prompt can be counted on a worker thread while the event
-loop keeps serving, and renders the chat template with jinja2 as transformers does
+:class:`ModelTokenizer` holds the model's Rust tokenizer (the ``tokenizers`` library), one for
+every thread: a long prompt is counted on a worker thread while the event loop keeps serving,
+and renders the chat template with jinja2 as transformers does
 (:mod:`sidecar.counting.chat_template`); :func:`count_locally` tokenizes a plan with it, giving
 the token ids themselves (the counts are their lengths; the ids key the prefix cache's blocks).
 The directory is read as transformers reads it (:mod:`sidecar.counting.tokenizer_files`);
@@ -13,13 +13,9 @@ transformers itself is needed only for a tokenizer without a ``tokenizer.json`` 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import queue
-import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +34,7 @@ from sidecar.counting.tokenizer_files import TokenizerFiles, from_transformers, 
 
 #: Model types whose chat prompts vLLM renders without the HF chat template (Harmony).
 _HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
-#: Tokenizer copies beyond the first: one per worker thread of the counter.
+#: The counter's worker threads at least (the tokenizer's load, the long counts).
 OFFLOAD_WORKERS = 2
 #: Texts longer than this are tokenized with the GIL released (``encode_batch``); shorter ones
 #: with ``encode``, which holds it (about 1 us cheaper, and they are counted on the event loop
@@ -47,10 +43,14 @@ GIL_FREE_CHARS = 2000
 
 
 class ModelTokenizer:
-    """The model's Rust tokenizer and chat template, safe to use from several threads.
+    """The model's Rust tokenizer and chat template, shared by every thread.
 
-    Rust tokenizers are not safe to share between threads, so, like vLLM, each call borrows
-    its own copy from a small pool.
+    One Rust tokenizer serves every thread: ``encode`` and ``encode_batch`` borrow it
+    immutably, so threads encode with it at once (``tests/test_counting_load.py``). What made
+    transformers' tokenizers unsafe to share, and vLLM keep a pool of copies, is its
+    ``__call__`` setting truncation and padding on the shared Rust object (a mutable borrow:
+    "Already borrowed"); nothing here changes the Rust tokenizer after loading. A copy of a
+    151,665-token vocabulary holds some 40 MiB (BENCHMARKS.md, sidecar memory).
 
     Usage (loading takes a second or so)::
 
@@ -76,12 +76,7 @@ class ModelTokenizer:
         backend.no_truncation()
         backend.no_padding()
         self._special_tokens = dict(files.special_tokens)
-        self._pristine = _copy(backend)
-        self._pool: queue.SimpleQueue[Tokenizer] = queue.SimpleQueue()
-        self._pool.put(backend)
-        for _ in range(OFFLOAD_WORKERS):
-            self._pool.put(_copy(backend))
-        self._lock = threading.Lock()
+        self._backend = backend
         self._templates = {
             tools: files.get_chat_template(with_tools=tools) for tools in (False, True)
         }
@@ -105,34 +100,22 @@ class ModelTokenizer:
         """Wrap a loaded transformers fast tokenizer (tests build tokenizers this way)."""
         return cls(from_transformers(hf_tokenizer), path=path)
 
-    @contextmanager
-    def _borrow(self) -> Iterator[Tokenizer]:
-        try:
-            tok = self._pool.get_nowait()
-        except queue.Empty:
-            with self._lock:
-                tok = _copy(self._pristine)
-        try:
-            yield tok
-        finally:
-            self._pool.put(tok)
-
     def encode_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """The token ids of ``text``, untruncated, as vLLM's tokenizer call makes them.
 
         A text longer than :data:`GIL_FREE_CHARS` is tokenized with the GIL released, so that
         the event loop keeps running while a worker thread counts it (docs/counting-load.md).
         """
-        with self._borrow() as backend:
-            # the Rust tokenizer itself: what transformers' __call__ runs for a fast tokenizer,
-            # without its per-call Python (measured at ~40% of a short prompt's count)
-            if len(text) > GIL_FREE_CHARS:
-                # encode() holds the GIL for the whole tokenization (a 128k-token prompt: every
-                # thread, the event loop included, stopped for 150-700 ms); encode_batch() lets
-                # it go while Rust works. Same ids: both run the same encode per input.
-                encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-            else:
-                encoding = backend.encode(text, add_special_tokens=add_special_tokens)
+        # the Rust tokenizer itself: what transformers' __call__ runs for a fast tokenizer,
+        # without its per-call Python (measured at ~40% of a short prompt's count)
+        backend = self._backend
+        if len(text) > GIL_FREE_CHARS:
+            # encode() holds the GIL for the whole tokenization (a 128k-token prompt: every
+            # thread, the event loop included, stopped for 150-700 ms); encode_batch() lets
+            # it go while Rust works. Same ids: both run the same encode per input.
+            encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            encoding = backend.encode(text, add_special_tokens=add_special_tokens)
         ids: list[int] = encoding.ids
         return ids
 
@@ -176,14 +159,6 @@ class ModelTokenizer:
             # apply_chat_template(tokenize=True): the rendered text, no special tokens added
             return self.encode_text(rendered, add_special_tokens=False)
         return rendered
-
-
-def _copy(backend: Tokenizer) -> Tokenizer:
-    """A copy of the Rust tokenizer; ``encode_special_tokens`` (``split_special_tokens``) is
-    not serialized, so a plain deep copy would lose it."""
-    twin = copy.deepcopy(backend)
-    twin.encode_special_tokens = backend.encode_special_tokens
-    return twin
 
 
 def _added_around(backend: Tokenizer, add_special_tokens: bool) -> tuple[int, int] | None:
