@@ -117,7 +117,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--suffix",
         default="",
-        help="results files named fleet<suffix>-raw.json etc.; BENCHMARKS.md is left alone",
+        help="results files named fleet<suffix>-raw.json etc. (--suffix=-name); BENCHMARKS.md is "
+        "left alone",
     )
     parser.add_argument(
         "--report-only",
