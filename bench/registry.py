@@ -93,6 +93,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "about 2 minutes",
     ),
     Benchmark(
+        "memory",
+        "the owner's and each relay worker's RSS and PSS with a 151,665-token vocabulary",
+        "bench.memory",
+        "about 4 minutes (a minute the first time, to generate the vocabulary)",
+    ),
+    Benchmark(
         "fleet",
         "two vLLM replicas behind nginx: what a sidecar per replica changes for a fleet",
         "bench.fleet.cli",
