@@ -5,7 +5,9 @@
 #
 # Dependencies come only from requirements.lock: every version pinned, every file hashed, wheels
 # only (no compiler in either stage). The lock includes the `otlp` extra (the OTLP/HTTP span
-# exporter), so OTEL_EXPORTER_OTLP_* turns traces on in the image. Regenerate the lock as
+# exporter), so OTEL_EXPORTER_OTLP_* turns traces on in the image, and not the `transformers` extra
+# (tokenizer.json is read by `tokenizers`, the chat template rendered with jinja2; a tokenizer
+# without a tokenizer.json is counted by vLLM's /tokenize). Regenerate the lock as
 # deploy/README.md says when pyproject.toml's dependencies change; tests/test_deploy.py fails when
 # one is missing from it.
 
