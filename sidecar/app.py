@@ -93,6 +93,7 @@ class Sidecar:
             expected_prior=settings.expected_prior,
             risk_steps=settings.risk_steps,
             tpot_target=settings.tpot_target,
+            ttft_target=settings.ttft_target,
             stale_after=settings.metrics_stale_after,
             stale_policy=settings.stale_policy,
         )

@@ -159,6 +159,12 @@ class Settings(BaseSettings):
     """adaptive mode: decode steps of recompute a request may risk at least, as the chance that
     its answer runs past its reservation times what its recompute would cost; more where
     running it in the batch saves more (README: How admission decides)."""
+    ttft_target: float | None = Field(default=None, gt=0)
+    """Seconds a request may expect to wait here for its first token (its queue wait, from the
+    trajectories and the learned decode step, plus its prefill by the learned step line): one
+    that does not fit now and is expected to wait longer is refused at once with 429
+    ttft_target and a Retry-After instead of queueing past its objective. Queued while the step
+    time is not known yet. Unset: no target."""
     tpot_target: float | None = Field(default=None, gt=0)
     """Seconds a decode step may take: a request whose sequences would make vLLM's step slower
     than this (by the step time learned against the batch) waits, or is refused with 429

@@ -60,7 +60,7 @@ from sidecar.admission.fit import (
 )
 from sidecar.admission.learner import LengthLearner
 from sidecar.admission.retry import MIN_RETRY_AFTER, RetryPlanner
-from sidecar.admission.spill import Estimate, judge
+from sidecar.admission.spill import Estimate, first_token, judge
 from sidecar.config import Policy, ReservationMode, StalePolicy
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.blocks import BlockMath
@@ -104,6 +104,7 @@ class AdmissionController:
         expected_prior: float = 1.0,
         risk_steps: float = 1.0,
         tpot_target: float | None = None,
+        ttft_target: float | None = None,
         stale_after: float = 5.0,
         stale_policy: StalePolicy = StalePolicy.open,
         clock: Callable[[], float] = time.monotonic,
@@ -118,6 +119,7 @@ class AdmissionController:
         self.learner = LengthLearner(expected_quantile, prior=expected_prior, clock=clock)
         self.reserving = Ends(ReservationMode(reservation), self.learner, risk_steps=risk_steps)
         self.tpot_target = tpot_target  # seconds per decode step the running requests keep
+        self.ttft_target = ttft_target  # seconds to a first token a queued request may expect
         self._held_by_latency = False  # the last placement failed on the step time alone
         self._clock = clock
         self.pools: list[Pool] = [self._new_pool("", ledger)]
@@ -425,6 +427,14 @@ class AdmissionController:
             verdict = judge(self.expected_waits(ask), threshold=self.spill_wait)
             if not verdict.queue:
                 return self._refuse(Reason.SPILLED, verdict.message, ask)
+        if self.ttft_target is not None:
+            verdict = first_token(
+                self.expected_waits(ask),
+                prefill_seconds=self._prefill_seconds(ask),
+                target=self.ttft_target,
+            )
+            if not verdict.queue:
+                return self._refuse(Reason.TTFT_TARGET, verdict.message, ask)
         if len(self._queue) >= self.max_queue_depth:
             return self._refuse(Reason.QUEUE_FULL, "the admission queue is full; retry later", ask)
         return None
@@ -549,6 +559,12 @@ class AdmissionController:
             key=ask.key,
             likely=self.learner.likely,
         )
+
+    def _prefill_seconds(self, ask: Ask) -> float:
+        """The request's prefill by the learned step line (its prompts' tokens x the line's
+        slope; 0 until the line is measured)."""
+        line = self.pools[0].view.costs.line()
+        return 0.0 if line is None else sum(ask.projection.prompt_tokens) * line[1]
 
     def expected_waits(self, ask: Ask) -> list[Estimate]:
         """Per pool the request may run in, its expected wait if queued now: the decode steps

@@ -39,6 +39,7 @@ class Reason(StrEnum):
     # refused by the gate
     KV_CACHE_FULL = "kv_cache_full"
     LATENCY_TARGET = "latency_target"  # a larger batch would miss --tpot-target
+    TTFT_TARGET = "ttft_target"  # its first token expected later than --ttft-target
     SPILLED = "spilled"  # --policy spill: the expected wait here is over --spill-wait
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
@@ -66,6 +67,7 @@ class Refusal(NamedTuple):
 REFUSALS: dict[Reason, Refusal] = {
     Reason.KV_CACHE_FULL: Refusal(429, "rate_limit_error", "kv_cache_full"),
     Reason.LATENCY_TARGET: Refusal(429, "rate_limit_error", "latency_target"),
+    Reason.TTFT_TARGET: Refusal(429, "rate_limit_error", "ttft_target"),
     Reason.SPILLED: Refusal(429, "rate_limit_error", "spilled"),
     Reason.QUEUE_FULL: Refusal(429, "rate_limit_error", "queue_full"),
     Reason.QUEUE_TIMEOUT: Refusal(429, "rate_limit_error", "queue_timeout"),

@@ -88,3 +88,30 @@ def judge(estimates: Sequence[Estimate], *, threshold: float) -> Verdict:
         f"{threshold:g}s this replica queues for (--spill-wait); retry another replica or "
         "after Retry-After",
     )
+
+
+def first_token(estimates: Sequence[Estimate], *, prefill_seconds: float, target: float) -> Verdict:
+    """``--ttft-target``: queue unless every pool's wait is known and the wait plus the prefill
+    is over ``target`` seconds (cold: queued, as :func:`judge`).
+
+    >>> first_token([Estimate(100, 0.02)], prefill_seconds=0.5, target=3.0).queue
+    True
+    >>> first_token([Estimate(100, 0.02)], prefill_seconds=1.5, target=3.0).message[:40]
+    'its first token is expected in 3.5s (2.0'
+    """
+    verdict = judge(estimates, threshold=target - prefill_seconds)
+    if verdict.queue:
+        return verdict
+    wait = verdict.wait_seconds
+    said = (
+        "cannot be expected soon: the wait for KV room cannot be bounded"
+        if wait is None or math.isinf(wait)
+        else f"is expected in {wait + prefill_seconds:.1f}s ({wait:.1f}s waiting for KV room, "
+        f"{prefill_seconds:.1f}s of prefill)"
+    )
+    return Verdict(
+        False,
+        wait,
+        f"its first token {said}; the objective is {target:g}s (--ttft-target); retry "
+        "after Retry-After or on another replica",
+    )
