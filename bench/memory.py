@@ -234,6 +234,77 @@ def summary(result: dict[str, Any]) -> list[str]:
     return rows
 
 
+PHASES = (
+    ("rest", "at rest"),
+    ("after_warm_up", "after the warm-up"),
+    ("peak_sampled", "peak (sampled)"),
+    ("after_load", "after the load"),
+)
+
+
+def _mib(value: float) -> str:
+    return f"{value / MIB:,.1f}"
+
+
+def report(files: list[Path]) -> str:
+    """The tables of BENCHMARKS.md's memory section, from results files (each its runs)."""
+    per_process = [
+        "| code | venv | `--workers` | process | "
+        + " | ".join(title for _, title in PHASES)
+        + " | VmHWM |",
+        "|---|---|---|---|" + "---|" * (len(PHASES) + 1),
+    ]
+    sums = [
+        "| code | venv | `--workers` | RSS sum at rest | PSS sum at rest | PSS sum, peak "
+        "(sampled) | RSS sum, peak (sampled) | long prompts answered |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in files:
+        data = json.loads(path.read_text())
+        for run in data["runs"]:
+            code = f"`{run['commit']}`"
+            venv = Path(run["python"]).parent.parent.name
+            owner = str(run["pids"]["owner"])
+            workers = [str(p) for p in run["pids"]["workers"]]
+            roles = [("owner" if workers else "the one process", [owner])]
+            if workers:
+                roles.append((f"each of {len(workers)} workers (min-max)", workers))
+            for role, pids in roles:
+                cells = []
+                for phase, _ in PHASES:
+                    values = [run[phase][p]["rss"] for p in pids]
+                    low, high = min(values), max(values)
+                    cells.append(_mib(low) if low == high else f"{_mib(low)}-{_mib(high)}")
+                hwm = [run["high_water_mark"][p] for p in pids]
+                low, high = min(hwm), max(hwm)
+                cells.append(_mib(low) if low == high else f"{_mib(low)}-{_mib(high)}")
+                per_process.append(
+                    f"| {code} | {venv} | {run['workers']} | {role} | " + " | ".join(cells) + " |"
+                )
+            rest = run["rest"].values()
+            answered = run["statuses"]["long"]
+            sums.append(
+                f"| {code} | {venv} | {run['workers']} | {_mib(sum(v['rss'] for v in rest))} | "
+                f"{_mib(sum(v['pss'] for v in rest))} | {_mib(run['peak_sampled_sum']['pss'])} | "
+                f"{_mib(run['peak_sampled_sum']['rss'])} | "
+                + ", ".join(f"{n} x {code}" for code, n in sorted(answered.items()))
+                + " |"
+            )
+    return "\n".join(
+        [
+            "RSS of each process, MiB (VmRSS from /proc/PID/status; peak: the largest of the "
+            "samples every 0.1 s; VmHWM: the process's own high-water mark):",
+            "",
+            *per_process,
+            "",
+            "The processes together, MiB (PSS from /proc/PID/smaps_rollup: a page shared by k "
+            "processes counts 1/k in each; the peaks are the largest sums of one sample):",
+            "",
+            *sums,
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
@@ -245,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=12)
     parser.add_argument("--out", default="memory")
     parser.add_argument("--quick", action="store_true", help="one small run (a smoke test)")
+    parser.add_argument(
+        "--report", type=Path, nargs="+", default=None, help="print the tables of these results"
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
     if args.quick:
         args.workers, args.long_words, args.long_requests = [1], 2_000, 4
     tokenizer = args.tokenizer or ensure_big_vocab_model()
