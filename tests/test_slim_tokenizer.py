@@ -275,6 +275,35 @@ def test_captured_conversations_render_the_same_under_every_fixture_template(
     assert outcome(slim, plan) == outcome(reference, plan)
 
 
+KWARGS_TEMPLATE = DUMP_TEMPLATE + "|{{ special_tokens }}|{{ date_string }}|{{ max_length }}"
+TEMPLATE_KWARGS: list[dict[str, Any]] = [
+    {"special_tokens": "S", "date_string": "1 Jan 2026"},
+    {"documents": [{"title": "t", "text": "the cache block"}]},
+    {"documents": ["not a dict"]},
+    {"bos_token": "<override>"},
+    {"truncation": True, "max_length": 3, "padding": True},
+    {"conversation": []},
+]
+
+
+@pytest.mark.parametrize("kwargs", TEMPLATE_KWARGS, ids=lambda k: ",".join(k))
+def test_chat_template_kwargs_reach_the_template_as_in_transformers(
+    tmp_path: Path, kwargs: dict[str, Any]
+) -> None:
+    """``chat_template_kwargs`` named like a special token, like one of apply_chat_template's own
+    parameters or like the renderer's: each is what transformers makes of it (a variable,
+    ignored, or the same error)."""
+    path = tiny_copy(tmp_path)
+    (path / "chat_template.jinja").write_text(KWARGS_TEMPLATE)
+    slim, reference = both(path)
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    plan = plan_count("chat", body)
+    assert isinstance(plan, ChatPlan)
+    expected = outcome(reference, plan)
+    assert outcome(slim, plan) == expected
+    assert isinstance(expected, str) == ("conversation" in kwargs or "not a dict" in str(kwargs))
+
+
 def test_a_broken_template_fails_in_both(tmp_path: Path) -> None:
     path = tiny_copy(tmp_path)
     shutil.copy(FIXTURES / "templates" / "broken.jinja", path / "chat_template.jinja")

@@ -17,7 +17,7 @@ conversation with ``tokenize=False``, in transformers 5.16-5.19, the range vLLM 
   rendering cut at the tag, so the model continues that message.
 
 >>> render("{{ bos_token }}{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}",
-...        [{"role": "user", "content": "é<b>"}], special_tokens={"bos_token": "<s>"})
+...        [{"role": "user", "content": "é<b>"}], {"bos_token": "<s>"})
 '<s>"é<b>"'
 """
 
@@ -87,8 +87,9 @@ def compile_template(chat_template: str) -> jinja2.Template:
 def render(
     chat_template: str,
     conversation: Sequence[Mapping[str, Any]],
-    *,
     special_tokens: Mapping[str, str],
+    /,
+    *,
     tools: Sequence[Any] | None = None,
     documents: Sequence[Any] | None = None,
     add_generation_prompt: bool = False,
@@ -97,7 +98,10 @@ def render(
 ) -> str:
     """``apply_chat_template(conversation, tools=..., tokenize=False, ...)`` for one
     conversation; raises what transformers raises (``ValueError``, ``TypeError``, jinja2's
-    ``TemplateError``)."""
+    ``TemplateError``). Every keyword argument but ``apply_chat_template``'s own is a template
+    variable, ``special_tokens`` too: the first three are positional."""
+    if "conversation" in kwargs:  # apply_chat_template's first parameter, given twice
+        raise TypeError("apply_chat_template() got multiple values for argument 'conversation'")
     if len(conversation) == 0:
         raise ValueError(
             "Cannot apply chat template to an empty conversation. Provide at least one message."

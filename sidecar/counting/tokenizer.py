@@ -152,9 +152,7 @@ class ModelTokenizer:
             chat = fold_developer(chat)
         if tokenize and any(call_kwargs.get(key) for key in TOKENIZE_OPTIONS):
             raise NeedsUpstream("chat template kwargs that tokenize otherwise")
-        rendered = render(
-            template, chat, special_tokens=self._special_tokens, tools=tools, **call_kwargs
-        )
+        rendered = render(template, chat, self._special_tokens, tools=tools, **call_kwargs)
         if tokenize:
             # apply_chat_template(tokenize=True): the rendered text, no special tokens added
             return self.encode_text(rendered, add_special_tokens=False)
