@@ -158,3 +158,13 @@ def test_queue_and_reject_policies_are_unchanged() -> None:
         run_seven(ac, clock, (700,) * 7)
         d = ac.try_admit(Ask(BIG, streamed=True))
         assert (d.reason if d is not None else None) == expect
+
+
+def test_the_settings_reach_the_controller() -> None:
+    """``--policy spill --spill-wait S`` (flags or env) is what the sidecar's controller runs."""
+    from sidecar.app import Sidecar
+    from sidecar.config import Policy, Settings
+
+    sidecar = Sidecar(Settings(policy="spill", spill_wait=7.5))  # type: ignore[arg-type]
+    assert sidecar.admission.policy is Policy.spill
+    assert sidecar.admission.spill_wait == 7.5
