@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -417,3 +418,22 @@ def test_without_transformers_the_error_names_the_extra(
         ModelTokenizer.load(path)
     # a tokenizer.json needs no transformers at all
     assert ModelTokenizer.load(ensure_tokenizer_model()).count_text("hi", add_special_tokens=True)
+
+
+def test_counting_a_tokenizer_json_never_imports_transformers() -> None:
+    """The sidecar's app and a chat counted with the tiny model's tokenizer, in a fresh
+    interpreter: transformers is never imported (the image does not hold it)."""
+    script = (
+        "import sys, sidecar.app, sidecar.cli\n"
+        "from sidecar.counting import ModelTokenizer\n"
+        "from sidecar.counting.plan import plan_count\n"
+        "from sidecar.counting.tokenizer import count_locally\n"
+        f"tok = ModelTokenizer.load({str(ensure_tokenizer_model())!r})\n"
+        "plan = plan_count('chat', {'messages': [{'role': 'user', 'content': 'hi'}]})\n"
+        "assert count_locally(tok, plan)[0].ids\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
