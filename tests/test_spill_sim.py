@@ -26,8 +26,8 @@ import pytest
 from harness.sim_server import SimServer
 from harness.workload import SidecarProcess, make_prompts
 from tests.support.sim import cache_config, metrics
+from tests.support.stepped import Clients, Stepper, admitted, held, streamed
 from tests.support.wait import wait_for
-from tests.test_admission_sim import Clients, Stepper, admitted, held, streamed
 
 pytestmark = pytest.mark.vllm
 
