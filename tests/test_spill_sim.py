@@ -102,14 +102,16 @@ def test_a_long_wait_is_refused_at_once_and_a_short_one_queued(sim: SimServer) -
         str(sim.model_dir),
     ]
     with SidecarProcess(sim.url, *args) as sc:
-        clients = Clients(
-            sc.url,
-            "/v1/completions",
-            [body(sim, f1, 40), body(sim, f2, 392), body(sim, f3, 392)],
-        )
+        clients = Clients(sc.url, "/v1/completions", [body(sim, f1, 40)])
         with held(sim):
             stepper = Stepper(sim, sc, clients)
             clients.start()
+            # the short answer first: behind the two long ones it would wait for their ends
+            # (a request not started yet is never freed in the trajectories, so it cannot
+            # count on ending before them)
+            admitted(sc, 1)
+            clients.send(body(sim, f2, 392))
+            clients.send(body(sim, f3, 392))
             admitted(sc, 3)
             assert sc.state()["budget_blocks"] == budget
             # the first answer two tokens from its end, the others early in theirs

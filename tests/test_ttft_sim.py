@@ -1,0 +1,169 @@
+"""``--ttft-target`` against vLLM's own scheduler on the simulated GPU, stepped by hand (the
+premise of ``test_spill_sim.py``, under ``--policy queue``): with the pool held by three answers,
+a request whose first token is hundreds of decode steps away is refused at once (429
+``ttft_target``, with Retry-After) rather than queued past the objective, and one whose wait is
+two steps is queued, then admitted when the answer ahead of it ends.
+
+The engine runs a step only when the test grants one (``harness.sim_server``, manual mode), so
+the ledger's state at the decisions is exact; what is timed is only the decode step the sidecar
+learns from vLLM's inter-token latency, which is the test's own pace of granting steps (tens to
+hundreds of milliseconds here), and the prefill the learned step line adds (next to nothing at
+that pace, where a step's time does not follow its tokens). The two waits are 2 and about 355
+steps, and ``--ttft-target`` is 3 s: each decision holds for any step time between 9 ms and 1.4 s.
+
+One simulated server for the module: Llama-3.1-8B's config on an H100, 1,032 blocks of 16 tokens
+(``--num-gpu-blocks-override``; 1,031 usable, the sidecar's budget with ``--headroom 0``), an
+8,192-token context; the sidecar in worst-case mode (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from harness.sim_server import SimServer
+from harness.workload import SidecarProcess, make_prompts
+from tests.support.sim import cache_config, metrics
+from tests.support.stepped import Clients, Stepper, admitted, held, streamed
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.vllm
+
+BLOCKS = 1032
+MAX_MODEL_LEN = 8192
+TTFT_TARGET = 3.0
+WITHIN = 30.0
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimServer]:
+    server = SimServer(
+        model="llama-3.1-8b-instruct",
+        gpu="h100-80gb",
+        max_model_len=MAX_MODEL_LEN,
+        extra_args=["--num-gpu-blocks-override", str(BLOCKS)],
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def body(sim: SimServer, prompt: str, max_tokens: int) -> dict[str, Any]:
+    return streamed(
+        {"model": sim.served_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    )
+
+
+def sidecar_counts(sc: SidecarProcess) -> dict[tuple[str, str], float]:
+    text = httpx.get(sc.metrics_url + "/metrics", timeout=10).text
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if line.startswith("kv_sidecar_requests_total{"):
+            labels, value = line[len("kv_sidecar_requests_total{") :].split("} ")
+            pairs = dict(p.split("=", 1) for p in labels.split(","))
+            out[(pairs["decision"].strip('"'), pairs["reason"].strip('"'))] = float(value)
+    return out
+
+
+def test_a_first_token_past_the_objective_is_refused_and_a_near_one_queued(sim: SimServer) -> None:
+    labels = cache_config(sim)
+    assert labels["num_gpu_blocks"] == str(BLOCKS)
+    block = int(labels["block_size"])
+    # the pool's holders: one answer that ends after 40 tokens, two that run 392
+    f1, f2, f3 = (
+        make_prompts(sim.model_dir, 1, n, seed=seed)[0]
+        for n, seed in ((1000, 31), (7800, 32), (7000, 33))
+    )
+    (short_prompt,) = make_prompts(sim.model_dir, 1, 700, seed=34)
+    (long_prompt,) = make_prompts(sim.model_dir, 1, 900, seed=35)
+    peaks = [math.ceil(t / block) for t in (1000 + 40, 7800 + 392, 7000 + 392)]
+    budget = BLOCKS - 1
+    short_peak, long_peak = math.ceil(800 / block), math.ceil(1000 / block)
+    # the premise: neither fits beside the three now; once the first has ended the short one
+    # does and the long one does not (not until one of the long answers has ended too)
+    assert sum(peaks) - peaks[0] + short_peak <= budget < sum(peaks[1:]) + long_peak
+    before = metrics(sim).get("vllm:num_preemptions_total", 0)
+    args = [
+        "--policy",
+        "queue",
+        "--ttft-target",
+        str(TTFT_TARGET),
+        "--headroom",
+        "0",
+        "--max-queue-wait",
+        "300",
+        "--scrape-interval",
+        "0.05",
+        "--model-config",
+        str(sim.model_dir),
+    ]
+    with SidecarProcess(sim.url, *args) as sc:
+        clients = Clients(sc.url, "/v1/completions", [body(sim, f1, 40)])
+        with held(sim):
+            stepper = Stepper(sim, sc, clients)
+            clients.start()
+            # the short answer first: behind the two long ones it would wait for their ends
+            # (a request not started yet is never freed in the trajectories, so it cannot
+            # count on ending before them)
+            admitted(sc, 1)
+            clients.send(body(sim, f2, 392))
+            clients.send(body(sim, f3, 392))
+            admitted(sc, 3)
+            assert sc.state()["budget_blocks"] == budget
+            # the first answer two tokens from its end, the others early in theirs
+            while clients.answers[0].tokens < 38:
+                assert stepper.sampled < 200, [a.tokens for a in clients.answers]
+                stepper.step()
+            state = stepper.sample()
+            assert state["decode_step_seconds"] is not None  # the step time is learned: warm
+            assert clients.answers[0].tokens == 38  # the engine is held: it stays there
+            # the three may have waited a moment in the queue while the sidecar was cold (no
+            # step time yet: the objective then queues); what follows is counted from here
+            counted = sidecar_counts(sc)
+
+            # a wait of about 355 steps: refused at once, the engine still held
+            resp = httpx.post(
+                sc.url + "/v1/completions", json=body(sim, long_prompt, 100), timeout=WITHIN
+            )
+            assert resp.status_code == 429, resp.text
+            error = resp.json()["error"]
+            assert (error["type"], error["code"]) == ("rate_limit_error", "ttft_target")
+            assert "--ttft-target" in error["message"]
+            assert float(resp.headers["retry-after"]) >= 1
+            assert int(resp.headers["retry-after-ms"]) >= 1000
+            assert sc.state()["queue_depth"] == 0
+
+            # a wait of two steps: queued
+            short = clients.send(body(sim, short_prompt, 100))
+            wait_for(lambda: sc.state()["queue_depth"] == 1, "the short one queued", within=WITHIN)
+            assert short.status is None  # no answer yet: it waits in the sidecar
+            stepper.step(2)  # the first answer ends: the short one is admitted
+            wait_for(
+                lambda: sc.state()["queue_depth"] == 0 and sc.state()["in_flight"] == 3,
+                "the short one admitted",
+                within=WITHIN,
+            )
+            counts = sidecar_counts(sc)
+            assert counted.get(("reject", "ttft_target"), 0) == 0
+            assert counts[("reject", "ttft_target")] == 1
+            assert counts[("admit", "queued")] == counted[("admit", "queued")] + 1
+            assert counts[("admit", "fits")] + counts[("admit", "queued")] == 4
+        sim.set_mode("0.001")  # the rest at a fixed 1 ms a step
+        try:
+            clients.stop(timeout=300)
+        finally:
+            sim.set_mode("roofline")
+    assert not clients.errors, clients.errors
+    assert [(a.status, a.tokens) for a in clients.answers] == [
+        (200, 40),
+        (200, 392),
+        (200, 392),
+        (200, 100),
+    ]
+    assert metrics(sim).get("vllm:num_preemptions_total", 0) == before
