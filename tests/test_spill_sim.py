@@ -1,13 +1,16 @@
-"""``--policy spill`` against vLLM's own scheduler on the simulated GPU, stepped by hand: with
-the pool held by three answers, a request whose expected wait is hundreds of decode steps is
-refused at once (429 ``spilled``, with Retry-After), and one whose wait is two steps is queued,
-then admitted when the answer ahead of it ends.
+"""``--policy spill`` and ``--ttft-target`` against vLLM's own scheduler on the simulated GPU,
+stepped by hand: with the pool held by three answers, a request whose expected wait is hundreds
+of decode steps is refused at once (429 ``spilled``, or ``ttft_target`` under ``--policy queue``
+with the objective, with Retry-After), and one whose wait is two steps is queued, then admitted
+when the answer ahead of it ends.
 
 The engine runs a step only when the test grants one (``harness.sim_server``, manual mode), so
 the ledger's state at the decisions is exact; what is timed is only the decode step the sidecar
 learns from vLLM's inter-token latency, which is the test's own pace of granting steps (tens to
-hundreds of milliseconds here). The two waits are 2 and about 355 steps, and ``--spill-wait`` is
-3 s: each decision holds for any step time between 9 ms and 1.5 s.
+hundreds of milliseconds here), and for the objective the prefill the learned step line adds
+(little at that pace, where a step's time does not follow its tokens). The two waits are 2 and
+about 355 steps, and ``--spill-wait`` and ``--ttft-target`` are 3 s: each decision holds for any
+step time between 9 ms and 1.4 s.
 
 One simulated server for the module: Llama-3.1-8B's config on an H100, 1,032 blocks of 16 tokens
 (``--num-gpu-blocks-override``; 1,031 usable, the sidecar's budget with ``--headroom 0``), an
@@ -33,7 +36,7 @@ pytestmark = pytest.mark.vllm
 
 BLOCKS = 1032
 MAX_MODEL_LEN = 8192
-SPILL_WAIT = 3.0
+THRESHOLD = "3"  # seconds: --spill-wait, or --ttft-target
 WITHIN = 30.0
 
 
@@ -69,7 +72,14 @@ def sidecar_counts(sc: SidecarProcess) -> dict[tuple[str, str], float]:
     return out
 
 
-def test_a_long_wait_is_refused_at_once_and_a_short_one_queued(sim: SimServer) -> None:
+@pytest.mark.parametrize(
+    ("policy", "flag", "code"),
+    [("spill", "--spill-wait", "spilled"), ("queue", "--ttft-target", "ttft_target")],
+    ids=["spill", "ttft-target"],
+)
+def test_a_long_wait_is_refused_at_once_and_a_short_one_queued(
+    sim: SimServer, policy: str, flag: str, code: str
+) -> None:
     labels = cache_config(sim)
     assert labels["num_gpu_blocks"] == str(BLOCKS)
     block = int(labels["block_size"])
@@ -89,9 +99,9 @@ def test_a_long_wait_is_refused_at_once_and_a_short_one_queued(sim: SimServer) -
     before = metrics(sim).get("vllm:num_preemptions_total", 0)
     args = [
         "--policy",
-        "spill",
-        "--spill-wait",
-        str(SPILL_WAIT),
+        policy,
+        flag,
+        THRESHOLD,
         "--headroom",
         "0",
         "--max-queue-wait",
@@ -106,10 +116,12 @@ def test_a_long_wait_is_refused_at_once_and_a_short_one_queued(sim: SimServer) -
         with held(sim):
             stepper = Stepper(sim, sc, clients)
             clients.start()
-            # the short answer first: behind the two long ones it would wait for their ends
-            # (a request not started yet is never freed in the trajectories, so it cannot
-            # count on ending before them)
+            # the short answer first, and started: behind the two long ones it would wait for
+            # their ends, and beside them unstarted the third would not fit (a request not
+            # started yet is never freed in the trajectories, so it cannot count on ending
+            # before them); started, it ends after 40 tokens and both long ones fit at once
             admitted(sc, 1)
+            stepper.step()
             clients.send(body(sim, f2, 392))
             clients.send(body(sim, f3, 392))
             admitted(sc, 3)
@@ -121,8 +133,7 @@ def test_a_long_wait_is_refused_at_once_and_a_short_one_queued(sim: SimServer) -
             state = stepper.sample()
             assert state["decode_step_seconds"] is not None  # the step time is learned: warm
             assert clients.answers[0].tokens == 38  # the engine is held: it stays there
-            # the three may have waited a moment in the queue while the sidecar was cold (no
-            # step time yet: spill then queues); what follows is counted from here
+            # what follows is counted from here
             counted = sidecar_counts(sc)
 
             # a wait of about 355 steps: refused at once, the engine still held
@@ -131,7 +142,8 @@ def test_a_long_wait_is_refused_at_once_and_a_short_one_queued(sim: SimServer) -
             )
             assert resp.status_code == 429, resp.text
             error = resp.json()["error"]
-            assert (error["type"], error["code"]) == ("rate_limit_error", "spilled")
+            assert (error["type"], error["code"]) == ("rate_limit_error", code)
+            assert flag in error["message"]
             assert float(resp.headers["retry-after"]) >= 1
             assert int(resp.headers["retry-after-ms"]) >= 1000
             assert sc.state()["queue_depth"] == 0
@@ -147,8 +159,8 @@ def test_a_long_wait_is_refused_at_once_and_a_short_one_queued(sim: SimServer) -
                 within=WITHIN,
             )
             counts = sidecar_counts(sc)
-            assert counted[("reject", "spilled")] == 0
-            assert counts[("reject", "spilled")] == 1
+            assert counted.get(("reject", code), 0) == 0
+            assert counts[("reject", code)] == 1
             assert counts[("admit", "queued")] == counted[("admit", "queued")] + 1
             assert counts[("admit", "fits")] + counts[("admit", "queued")] == 4
         sim.set_mode("0.001")  # the rest at a fixed 1 ms a step
