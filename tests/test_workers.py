@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -163,8 +164,40 @@ class _Recorder:
         self.sent: list[wire.Message] = []
         self.closed = False
 
-    def send(self, message: wire.Message) -> None:
+    def send(self, message: wire.Message, *, within: float = 0.0) -> None:
         self.sent.append(message)
+
+
+class _Writer:
+    """A stream writer that keeps the frames written."""
+
+    def __init__(self) -> None:
+        self.frames: list[list[wire.Message]] = []
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(pickle.loads(data[4:]))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def test_progress_waits_for_its_frame_and_leaves_in_order() -> None:
+    """A message sent ``within`` a time leaves in a frame at most that late, or at once with
+    the next one that may not wait, in the order sent."""
+    writer = _Writer()
+    channel = wire.Channel(None, writer)  # type: ignore[arg-type]
+    channel.send(wire.Progressed(1, 1.0), within=0.05)
+    channel.send(wire.Progressed(2, 1.0), within=0.05)
+    await asyncio.sleep(0)
+    assert writer.frames == []  # waiting for more
+    await asyncio.sleep(0.1)
+    assert writer.frames == [[wire.Progressed(1, 1.0), wire.Progressed(2, 1.0)]]
+    channel.send(wire.Progressed(1, 2.0), within=0.05)
+    channel.send(wire.Release(1, 2))
+    await asyncio.sleep(0)
+    assert writer.frames[1:] == [[wire.Progressed(1, 2.0), wire.Release(1, 2)]]
+    await asyncio.sleep(0.1)
+    assert len(writer.frames) == 2  # the timer went with the frame
 
 
 def test_progress_is_sent_for_every_token_and_the_start_and_release_once() -> None:

@@ -38,6 +38,9 @@ log = logging.getLogger("sidecar.worker")
 
 #: seconds between reports of metric events and pass-through counts to the owner
 REPORT_INTERVAL = 0.05
+#: a stream's progress waits at most this long for a frame (one frame for every stream's tokens
+#: of a few loop ticks, not one a tick; anything that may not wait takes it along, in order)
+PROGRESS_WITHIN_S = 0.005
 #: seconds a client is told to wait when its worker has lost the owner (the worker is exiting)
 OWNER_GONE_RETRY_AFTER = 2.0
 
@@ -285,13 +288,17 @@ class RemoteGate:
         lockstep seemed up to a block's worth of steps apart: they were taken to end apart and
         their peaks to pass one by one, where vLLM holds them at once (eight streams of 100 +
         700 tokens on two workers in worst-case mode: two more admitted at the crossings, 64
-        blocks at the true peak, one more than vLLM's pool). The channel carries one loop
-        tick's messages in one frame."""
+        blocks at the true peak, one more than vLLM's pool). Progress waits up to
+        :data:`PROGRESS_WITHIN_S` for its frame, so that the tokens of every stream over a few
+        loop ticks leave in one frame; the owner hears of each within that, every stream of a
+        worker at once."""
         held = self._held.get(reservation.id)
         if held is None or int(generated_per_sequence) <= int(held.generated):
             return
         held.generated = generated_per_sequence
-        self.link.channel.send(wire.Progressed(reservation.id, generated_per_sequence))
+        self.link.channel.send(
+            wire.Progressed(reservation.id, generated_per_sequence), within=PROGRESS_WITHIN_S
+        )
 
     def release(self, reservation: Reservation, completion_tokens: int | None = None) -> None:
         if self._held.pop(reservation.id, None) is None:

@@ -220,19 +220,30 @@ class Channel:
         self._writer = writer
         self._out: list[Message] = []
         self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
         self.closed = False
 
-    def send(self, message: Message) -> None:
-        """Queue one message; it leaves at the end of this loop tick. Never blocks."""
+    def send(self, message: Message, *, within: float = 0.0) -> None:
+        """Queue one message; it leaves at the end of this loop tick, or (``within`` > 0) at
+        most that many seconds later, with the next message that may not wait. Messages leave
+        in the order sent. Never blocks."""
         if self.closed:
             return
         self._out.append(message)
-        if not self._scheduled:
+        if self._scheduled:
+            return
+        loop = asyncio.get_running_loop()
+        if within <= 0:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            loop.call_soon(self.flush)
+        elif self._timer is None:
+            self._timer = loop.call_later(within, self.flush)
 
     def flush(self) -> None:
         self._scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if not self._out or self.closed:
             self._out.clear()
             return
