@@ -173,11 +173,12 @@ class EngineCosts:
 
     def figures(self) -> CostFigures:
         line = self.line()
+        share = self.fixed_share()
         return CostFigures(
             decode_step_seconds=self.decode_step_seconds,
             step_base_seconds=line[0] if line is not None else None,
             step_seconds_per_token=line[1] if line is not None else None,
             prefill_tokens_per_step=1.0 / max(self.recompute_steps(1.0), 1e-12),
-            fixed_share=self.fixed_share(),
-            gain_steps_per_token=self.gain_steps(1.0) if self.fixed_share() is not None else None,
+            fixed_share=share,
+            gain_steps_per_token=self.gain_steps(1.0) if share is not None else None,
         )
