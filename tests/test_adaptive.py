@@ -194,6 +194,24 @@ def test_a_small_batch_pays_for_the_recompute_a_larger_one_would_not() -> None:
     assert median < upper, (median, upper)
 
 
+def test_where_a_certain_recompute_pays_a_long_answer_is_risked_at_the_floor() -> None:
+    """Prompts of 600 tokens whose answers (300-500 tokens, 40 learned: 450 likely, 415 at the
+    median) decode in a batch of 20 on a step of 10 ms + ``per_token`` per token. At 27 us a
+    token (a GPU's prefill: a 10.5 ms step, 95% of it fixed) one more sequence saves ~21 steps
+    (450 x 0.95 / 20) and its recompute, even a certain one, costs ~2.7: it is risked at the
+    floor, as vLLM risks it. At 0.3 ms a token (a 16 ms step, 62% fixed) it saves ~14 and a
+    recompute costs ~19.5: the median, which half the answers outrun."""
+    ends = {}
+    for per_token in (2.7e-5, 3e-4):
+        clock = Clock()
+        ac = controller(clock)
+        _costly(ac, clock, per_token=per_token, running=20)
+        for length in range(300, 500, 5):
+            ac.learner.observe("completion:1000", length)
+        (ends[per_token],) = ac.ends(completion(600, 1000), "completion:1000")
+    assert ends == {2.7e-5: COLD_OUTPUT_TOKENS, 3e-4: 415}, ends
+
+
 def test_a_preemption_widens_adaptive_reservations() -> None:
     clock = Clock()
     ac = controller(clock)

@@ -8,7 +8,8 @@ model it throws away seconds of prefill, and vLLM can preempt the same requests 
 Admission weighs the two: a request is reserved to the length quantile at which the recompute it
 risks (:meth:`EngineCosts.recompute_steps`, times the chance its answer outruns the quantile)
 costs at most what running it in the batch saves (:meth:`EngineCosts.gain_steps`), and at least
-``risk_steps`` decode steps (:func:`reserve_quantile`).
+``risk_steps`` decode steps (:func:`reserve_quantile`). Where the saving exceeds even a certain
+recompute, no quantile is needed: the request is risked at a floor, as vLLM risks all of them.
 
 Learned from each pair of scrapes (``sidecar.engine.snapshot``) while vLLM was busy through the
 interval (requests running at both ends):
@@ -32,6 +33,8 @@ step per ``PRIOR_PREFILL_TOKENS_PER_STEP`` tokens.
 [0.75, 0.75, 0.9, 0.95, 0.99, None]
 >>> reserve_quantile(30, risk_steps=15.0, quantiles=GAIN_QUANTILES)
 0.5
+>>> reserve_quantile(30, risk_steps=30.0, quantiles=GAIN_QUANTILES)  # a sure recompute pays
+0.0
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ from sidecar.engine.snapshot import EngineSnapshot
 PRIOR_PREFILL_TOKENS_PER_STEP = 1024.0
 #: the length quantiles a request may be reserved to, from the most optimistic ...
 QUANTILES = (0.75, 0.9, 0.95, 0.99)
-#: ... and the median too where the measured batch gain is what pays for the risk
-GAIN_QUANTILES = (0.5, *QUANTILES)
+#: ... and the median too where the measured batch gain is what pays for the risk, and none at
+#: all (:data:`SURE`) where it pays even for a certain recompute: the request is then risked as
+#: vLLM risks every request, at a floor widened as it decodes (``sidecar.admission.ends``)
+SURE = 0.0
+GAIN_QUANTILES = (SURE, 0.5, *QUANTILES)
 #: weight of the newest interval in the learned figures
 _EWMA = 0.2
 #: intervals with fewer engine steps than this are too short to learn from

@@ -7,7 +7,9 @@
 - ``adaptive``: the length quantile at which the recompute a preemption would cost on this
   engine (``sidecar.admission.costs``) is at most what running the request in the batch saves
   (a step's fixed share of its answer's steps over the batch), and at least ``risk_steps``
-  decode steps, from the class's
+  decode steps (where the saving exceeds even a certain recompute, the floor
+  :data:`COLD_OUTPUT_TOKENS` or the class's median if shorter, widened as the answer runs past
+  it), from the class's
   answers, else every class's (vLLM's own history included). A class with none of its own whose
   requests name their max_tokens (``class:none`` names none) reserves all of it while at least
   ``1 - q`` of the answers seen ran to their max_tokens (vLLM's ``finished_reason="length"``):
@@ -26,7 +28,7 @@ In every mode an answer past its end is expected to run to twice what it has
 
 from __future__ import annotations
 
-from sidecar.admission.costs import GAIN_QUANTILES, QUANTILES, EngineCosts, reserve_quantile
+from sidecar.admission.costs import GAIN_QUANTILES, QUANTILES, SURE, EngineCosts, reserve_quantile
 from sidecar.admission.learner import UNBOUNDED, LengthLearner
 from sidecar.config import ReservationMode
 
@@ -67,6 +69,10 @@ class Ends:
         )
         if quantile is None:
             return max_tokens
+        if quantile == SURE:
+            # running it now saves more than its recompute would cost even if vLLM preempts it:
+            # risk it as vLLM does, from the floor, widened as it decodes (Reservation.end)
+            return learner.boosted(min(COLD_OUTPUT_TOKENS, likely), max_tokens)
         bound = learner.own_bound(klass, quantile)
         if bound is None:
             named = not klass.endswith(":none")
