@@ -163,15 +163,18 @@ class AdmissionOwner:
 
     def _dispatch(self, link: WorkerLink, message: wire.Message) -> None:
         admission = self.admission
+        if type(message) is wire.ProgressBatch:  # most messages: no match to walk
+            held, progressed = link.reservations, admission.progressed
+            for res_id, generated in message.items():
+                if (res := held.get(res_id)) is not None:
+                    progressed(res, generated)
+            return
         match message:
             case wire.Admit(ask, request):
                 self._admit(link, ask, request)
             case wire.Started(res_id):
                 if (res := link.reservations.get(res_id)) is not None:
                     admission.started(res)
-            case wire.Progressed(res_id, generated):
-                if (res := link.reservations.get(res_id)) is not None:
-                    admission.progressed(res, generated)
             case wire.Release(res_id, completion_tokens):
                 if (res := link.reservations.pop(res_id, None)) is not None:
                     admission.release(res, completion_tokens)

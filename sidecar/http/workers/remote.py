@@ -3,10 +3,12 @@
 :class:`OwnerLink` is a relay worker's connection to the admission owner. Its :class:`RemoteGate`
 decides nothing itself: every generation request is an ``ADMIT`` that the owner's one controller
 answers (so ``try_admit`` returns None, and the request path awaits :meth:`RemoteGate.wait`);
-``started``, ``progressed`` and ``release`` are fire-and-forget; ``progressed`` leaves for every
-token a stream gains (one loop tick's messages go as one frame), so that the owner's ledger
-follows each stream as one process does. :class:`RemoteMetrics` forwards the request
-path's metric events in batches, so that the owner's ``/metrics`` stays one exposition. The
+``started``, ``progressed`` and ``release`` are fire-and-forget, and wait up to
+:data:`PROGRESS_WITHIN_S` for a frame (an ``ADMIT`` takes them along at once, in order);
+``progressed`` leaves for every token a stream gains, every stream's in one packed batch
+(``wire.ProgressBatch``), so that the owner's ledger follows each stream as one process does.
+:class:`RemoteMetrics` forwards the request path's metric events in batches, so that the
+owner's ``/metrics`` stays one exposition. The
 engine (its config, and the prompt counter built from it in the worker) and the traffic state
 (``draining``) follow the owner's messages; ``passthrough_in_flight`` is reported back for the
 drain.
@@ -38,8 +40,8 @@ log = logging.getLogger("sidecar.worker")
 
 #: seconds between reports of metric events and pass-through counts to the owner
 REPORT_INTERVAL = 0.05
-#: a stream's progress waits at most this long for a frame (one frame for every stream's tokens
-#: of a few loop ticks, not one a tick; anything that may not wait takes it along, in order)
+#: a stream's progress, start and release wait at most this long for a frame (one frame for
+#: every stream's tokens of a few loop ticks, not one a tick; an ADMIT takes them along, in order)
 PROGRESS_WITHIN_S = 0.005
 #: seconds a client is told to wait when its worker has lost the owner (the worker is exiting)
 OWNER_GONE_RETRY_AFTER = 2.0
@@ -278,7 +280,9 @@ class RemoteGate:
         if held is None or held.started:
             return
         held.started = True
-        self.link.channel.send(wire.Started(reservation.id))
+        # late by at most PROGRESS_WITHIN_S: meanwhile the owner takes the request to be
+        # able to start at any moment and never to free anything (its trajectory's worst)
+        self.link.channel.send(wire.Started(reservation.id), within=PROGRESS_WITHIN_S)
 
     def progressed(self, reservation: Reservation, generated_per_sequence: float) -> None:
         """Sent for every whole token per sequence, not only when the block count changes.
@@ -290,20 +294,22 @@ class RemoteGate:
         700 tokens on two workers in worst-case mode: two more admitted at the crossings, 64
         blocks at the true peak, one more than vLLM's pool). Progress waits up to
         :data:`PROGRESS_WITHIN_S` for its frame, so that the tokens of every stream over a few
-        loop ticks leave in one frame; the owner hears of each within that, every stream of a
-        worker at once."""
+        loop ticks leave in one frame, as one packed batch (``wire.ProgressBatch``: each
+        stream's latest count); the owner hears of each within that, every stream of a worker
+        at once."""
         held = self._held.get(reservation.id)
         if held is None or int(generated_per_sequence) <= int(held.generated):
             return
         held.generated = generated_per_sequence
-        self.link.channel.send(
-            wire.Progressed(reservation.id, generated_per_sequence), within=PROGRESS_WITHIN_S
-        )
+        self.link.channel.progress(reservation.id, generated_per_sequence, within=PROGRESS_WITHIN_S)
 
     def release(self, reservation: Reservation, completion_tokens: int | None = None) -> None:
         if self._held.pop(reservation.id, None) is None:
             return
-        self.link.channel.send(wire.Release(reservation.id, completion_tokens))
+        # late by at most PROGRESS_WITHIN_S: the owner holds its blocks that much longer
+        self.link.channel.send(
+            wire.Release(reservation.id, completion_tokens), within=PROGRESS_WITHIN_S
+        )
 
 
 class RemoteMetrics:

@@ -9,9 +9,10 @@ system call, not one each.
 
 Worker to owner (``ask`` and ``res`` are the worker's and the owner's numbers): :class:`Hello`
 first, :class:`Ready` once its engine (prompt counter) is built, then :class:`Admit`,
-:class:`Cancel` (the client left while it waited), :class:`Started`, :class:`Progressed` (each
-whole token per sequence), :class:`Release` and :class:`Report` (metric events, one
-:data:`MetricEvent` each, and the pass-through count).
+:class:`Cancel` (the client left while it waited), :class:`Started`, :class:`ProgressBatch`
+(each whole token per sequence, of every stream whose count moved since the last batch, as two
+packed arrays: :meth:`Channel.progress`), :class:`Release` and :class:`Report` (metric events,
+one :data:`MetricEvent` each, and the pass-through count).
 
 Owner to worker: :class:`Welcome` first (the settings and the number of workers), :class:`Config`
 on connect and whenever the engine config changes, :class:`Draining`, and one :class:`Answer` per
@@ -23,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import pickle
 import struct
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,9 +79,26 @@ class Started(_Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Progressed(_Message):
-    res: int
-    generated_per_sequence: float
+class ProgressBatch(_Message):
+    """The tokens generated per sequence of several reservations, as two packed arrays (native
+    ``int64`` reservation numbers and ``float64`` counts, one entry each): one message, two byte
+    strings to pickle, however many streams moved (one object a stream cost each end a pickled
+    object, a dispatch and a dataclass each)."""
+
+    res: bytes
+    generated: bytes
+
+    @classmethod
+    def of(cls, progress: dict[int, float]) -> ProgressBatch:
+        return cls(array("q", progress).tobytes(), array("d", progress.values()).tobytes())
+
+    def items(self) -> Iterator[tuple[int, float]]:
+        """(reservation, tokens per sequence), in the order sent; a batch whose arrays do not
+        pair up is a broken peer (:class:`ChannelClosed`)."""
+        res, generated = memoryview(self.res), memoryview(self.generated)
+        if len(res) % 8 or len(res) != len(generated):
+            raise ChannelClosed("a progress batch whose arrays do not pair up")
+        return zip(res.cast("q"), generated.cast("d"), strict=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +219,7 @@ class Answer(_Message):
     grant: Grant | None
 
 
-ToOwner = Hello | Ready | Admit | Cancel | Started | Progressed | Release | Report
+ToOwner = Hello | Ready | Admit | Cancel | Started | ProgressBatch | Release | Report
 ToWorker = Welcome | Config | Draining | Answer
 Message = ToOwner | ToWorker
 
@@ -219,6 +239,8 @@ class Channel:
         self._reader = reader
         self._writer = writer
         self._out: list[Message] = []
+        #: progress not yet in ``_out``: the latest count per reservation, in first-sent order
+        self._progress: dict[int, float] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self.closed = False
@@ -226,15 +248,34 @@ class Channel:
     def send(self, message: Message, *, within: float = 0.0) -> None:
         """Queue one message; it leaves at the end of this loop tick, or (``within`` > 0) at
         most that many seconds later, with the next message that may not wait. Messages leave
-        in the order sent. Never blocks."""
+        in the order sent (progress queued before it goes ahead of it). Never blocks."""
         if self.closed:
             return
+        if self._progress:
+            self._out.append(ProgressBatch.of(self._progress))
+            self._progress = {}
         self._out.append(message)
+        self._schedule(within)
+
+    def progress(self, res: int, generated: float, *, within: float = 0.0) -> None:
+        """Queue a reservation's tokens per sequence, as :meth:`send` would a message: every
+        count queued until the next message (or the frame) leaves as one :class:`ProgressBatch`
+        ahead of it, a reservation's later count in place of its earlier one (the owner keeps
+        only the latest: a count only grows)."""
+        if self.closed:
+            return
+        self._progress[res] = generated
+        self._schedule(within)
+
+    def _schedule(self, within: float) -> None:
         if self._scheduled:
             return
         loop = asyncio.get_running_loop()
         if within <= 0:
             self._scheduled = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             loop.call_soon(self.flush)
         elif self._timer is None:
             self._timer = loop.call_later(within, self.flush)
@@ -244,6 +285,9 @@ class Channel:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._progress:
+            self._out.append(ProgressBatch.of(self._progress))
+            self._progress = {}
         if not self._out or self.closed:
             self._out.clear()
             return
