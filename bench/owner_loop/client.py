@@ -115,17 +115,22 @@ class Pool:
 
 async def exchange(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
-) -> tuple[int, float, bool]:
-    """Send ``request``, read its whole answer: (status, the head's arrival, keep-alive)."""
+) -> tuple[int, float, bool, float]:
+    """Send ``request``, read its whole answer: (status, the head's arrival, keep-alive, and
+    for a chunked answer the longest wait between two reads of it after the head)."""
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
     at = time.monotonic()
     status = int(head[9:12])
     lower = head.lower()
+    gap = 0.0
     if b"transfer-encoding: chunked" in lower:
         tail = b"\r\n"
+        last = at
         while True:
             data = await reader.read(65536)
+            now = time.monotonic()
+            gap, last = max(gap, now - last), now
             if not data:
                 raise ConnectionError("closed inside a chunked answer")
             tail = (tail + data[-7:])[-7:]
@@ -134,7 +139,7 @@ async def exchange(
     else:
         length = int(lower.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
         await reader.readexactly(length)
-    return status, at, b"connection: close" not in lower
+    return status, at, b"connection: close" not in lower, gap
 
 
 async def drive(plan: Plan) -> dict[str, Any]:
@@ -149,12 +154,12 @@ async def drive(plan: Plan) -> dict[str, Any]:
 
     async def one(stream: bool, scheduled: float, request: bytes) -> None:
         sent = time.monotonic()
-        head = done = 0.0
+        head = done = gap = 0.0
         status = 0
         writer: asyncio.StreamWriter | None = None
         try:
             reader, writer = await pool.get()
-            status, head_at, keep = await exchange(reader, writer, request)
+            status, head_at, keep, gap = await exchange(reader, writer, request)
             head, done = head_at - t0, time.monotonic() - t0
             if keep:
                 pool.put(reader, writer)
@@ -168,9 +173,9 @@ async def drive(plan: Plan) -> dict[str, Any]:
             if writer is not None:
                 writer.close()
         except asyncio.CancelledError:  # still under way when the drain ended: status -1
-            records.append([int(stream), scheduled - t0, sent - t0, 0.0, -1.0, -1])
+            records.append([int(stream), scheduled - t0, sent - t0, 0.0, -1.0, -1, 0.0])
             raise
-        records.append([int(stream), scheduled - t0, sent - t0, head, done, status])
+        records.append([int(stream), scheduled - t0, sent - t0, head, done, status, gap])
 
     rng = random.Random(plan.seed)
     tasks: set[asyncio.Task[None]] = set()

@@ -358,6 +358,18 @@ def report(results: dict[str, Any], command: str) -> str:
             f"{s['stream_duration_s']:g} s",
             f"{_ms(sl['p50'])}, {_ms(sl['p99'])} ({_ms(sl['head_p99'])})",
         ],
+        *(
+            [
+                [
+                    f"streamed: a stream's longest wait between two events beyond their "
+                    f"{gap['pace_s'] * 1000:g} ms pace (inter-token latency added): p50, p99, max",
+                    "",
+                    f"{_ms(gap['p50'])}, {_ms(gap['p99'])}, {_ms(gap['max'])}",
+                ]
+            ]
+            if (gap := req.get("stream_gap_excess_s"))
+            else []
+        ),
         ["non-streamed: p50, p99", "", f"{_ms(pl['p50'])}, {_ms(pl['p99'])}"],
         [
             "a decision, the workers' `kv_sidecar_decision_seconds` (the round trip to the "

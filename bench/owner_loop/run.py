@@ -323,7 +323,10 @@ def _pct(values: list[float], q: float) -> float | None:
 
 def requests_summary(settings: Settings, records: list[list[float]]) -> dict[str, Any]:
     """What the clients saw of the window: arrivals, answers, latencies, their own lateness.
-    A record is ``[streamed, scheduled, sent, head, done, status]``, seconds from the start."""
+    A record is ``[streamed, scheduled, sent, head, done, status, gap]``, seconds from the
+    start (``gap``: a chunked answer's longest wait between two reads after its head; the fake
+    paces a stream's events ``interval_ms`` apart, so what exceeds that is the relay's delay
+    of one event, the inter-token latency added)."""
     lo, hi = settings.ramp_s, settings.ramp_s + settings.seconds
     arrivals = [r for r in records if lo <= r[1] < hi]
     statuses: dict[str, int] = {}
@@ -346,6 +349,15 @@ def requests_summary(settings: Settings, records: list[list[float]]) -> dict[str
         "p50": _pct(late, 0.5),
         "p99": _pct(late, 0.99),
         "max": max(late, default=None),
+    }
+    pace = settings.interval_ms() / 1000.0
+    excess = [r[6] - pace for r in arrivals if r[0] and r[5] == 200 and len(r) > 6]
+    out["stream_gap_excess_s"] = {
+        "pace_s": pace,
+        "n": len(excess),
+        "p50": _pct(excess, 0.5),
+        "p99": _pct(excess, 0.99),
+        "max": max(excess, default=None),
     }
     for name, streamed in (("streamed", 1), ("plain", 0)):
         ok = [r for r in arrivals if r[0] == streamed and r[5] == 200]
