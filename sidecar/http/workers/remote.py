@@ -4,11 +4,11 @@
 decides nothing itself: every generation request is an ``ADMIT`` that the owner's one controller
 answers (so ``try_admit`` returns None, and the request path awaits :meth:`RemoteGate.wait`);
 ``started``, ``progressed`` and ``release`` are fire-and-forget, and wait up to
-:data:`PROGRESS_WITHIN_S` for a frame (an ``ADMIT`` takes them along at once, in order);
-``progressed`` leaves for every token a stream gains, every stream's in one packed batch
-(``wire.ProgressBatch``), so that the owner's ledger follows each stream as one process does.
-:class:`RemoteMetrics` forwards the request path's metric events in batches, so that the
-owner's ``/metrics`` stays one exposition. The
+:data:`PROGRESS_WITHIN_S` for a frame (a message that may not wait, an ``ADMIT`` say, takes
+them along at once, in order); ``progressed`` leaves for every token a stream gains, every
+stream's in one packed batch (``wire.ProgressBatch``), so that the owner's ledger follows each
+stream as one process does. :class:`RemoteMetrics` forwards the request path's metric events
+in batches, so that the owner's ``/metrics`` stays one exposition. The
 engine (its config, and the prompt counter built from it in the worker) and the traffic state
 (``draining``) follow the owner's messages; ``passthrough_in_flight`` is reported back for the
 drain.
@@ -41,7 +41,8 @@ log = logging.getLogger("sidecar.worker")
 #: seconds between reports of metric events and pass-through counts to the owner
 REPORT_INTERVAL = 0.05
 #: a stream's progress, start and release wait at most this long for a frame (one frame for
-#: every stream's tokens of a few loop ticks, not one a tick; an ADMIT takes them along, in order)
+#: every stream's tokens of a few loop ticks, not one a tick; a message that may not wait takes
+#: them along, in order)
 PROGRESS_WITHIN_S = 0.005
 #: seconds a client is told to wait when its worker has lost the owner (the worker is exiting)
 OWNER_GONE_RETRY_AFTER = 2.0
