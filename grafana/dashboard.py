@@ -115,6 +115,9 @@ def per_second(series: str) -> str:
 # --- the figures -------------------------------------------------------------------------------
 
 REFUSED_429 = sidecar("kv_sidecar_requests_total", *REFUSED_429_MATCHERS)
+ENGINE_QUEUE_FULL_429 = sidecar(
+    "kv_sidecar_requests_total", 'decision="reject"', 'reason="engine_queue_full"'
+)
 ALL_DECISIONS = sidecar("kv_sidecar_requests_total")
 
 PREEMPTIONS_PER_SECOND = f"sum({per_second(vllm('vllm:num_preemptions_total'))})"
@@ -628,6 +631,28 @@ def _refusals_and_queue_row() -> list[PanelBuilder]:
             width=6,
             min_value=0,
             no_data="Nothing queued",
+        ),
+        timeseries_panel(
+            "vLLM's own queue caps",
+            "Requests vLLM's own queue caps (--max-num-queued-reqs, --max-num-queued-tokens) "
+            "refused with 503, by vLLM's reason (its vllm:admission_rejections_total, relayed by "
+            "the sidecar), and those of them the sidecar had admitted and answered with its own "
+            "429 engine_queue_full. The first above the second: requests that reach vLLM around "
+            "the sidecar; either above zero: the caps bind before the sidecar's own gate.",
+            "reqps",
+            [
+                Query(
+                    f"sum by (reason) "
+                    f"({per_second(sidecar('kv_sidecar_vllm_admission_rejections_total'))})",
+                    "vLLM refused: {{reason}}",
+                ),
+                Query(
+                    f"sum({per_second(ENGINE_QUEUE_FULL_429)})",
+                    "answered 429 engine_queue_full",
+                ),
+            ],
+            width=24,
+            min_value=0,
         ),
     ]
 

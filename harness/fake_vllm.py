@@ -6,7 +6,10 @@ values the sidecar reads swapped in, plus ``vllm:lora_requests_info`` as vLLM's 
 when LoRA is on: ``max_loras``, :meth:`FakeVllm.record_lora`), ``/tokenize``, and completions and
 chat completions, plain JSON or SSE. Token counts are a deterministic function of the text
 (:func:`count_prompt`, the ``prompt_counter`` knob), not a real tokenizer. Extra routes exercise
-the proxy's pass-through: ``/echo/...``, ``/slow``, ``/status/{code}`` and ``/gzip``.
+the proxy's pass-through: ``/echo/...``, ``/slow``, ``/status/{code}`` and ``/gzip``. ``/version``
+answers as vLLM 0.32 does (the ``version_answer`` knob: another version, garbage, or none at all),
+and ``max_num_queued_reqs`` refuses generations as vLLM's ``--max-num-queued-reqs`` does (503,
+counted in ``vllm:admission_rejections_total``).
 
 It is a pure ASGI app (:class:`FakeVllm`) served by uvicorn on a loopback port in a thread
 (:class:`FakeServer`), so both sync and async tests can use it and can stop it under a running
@@ -86,6 +89,15 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+#: vLLM 0.32's answer when --max-num-queued-reqs is reached (QueueOverflowError, a
+#: GracefulHTTPError, through create_error_response: the status's phrase as the type)
+QUEUE_FULL_ERROR = vllm_error(
+    "The engine is currently busy and cannot accept new requests. "
+    "Please try again later or on a different instance.",
+    503,
+    "Service Unavailable",
+)
 
 #: What ``GET /gzip`` answers, with ``Content-Encoding: gzip``.
 GZIP_BODY = gzip.compress(b"vLLM says hello, compressed. " * 64, mtime=0)
@@ -174,6 +186,17 @@ class FakeVllm:
         self.max_loras: int | None = None
         #: vllm:lora_requests_info's series: (running, waiting) adapters -> the time vLLM set it
         self.lora_series: dict[tuple[str, str], float] = {}
+        #: ``GET /version``'s status and body (vLLM 0.32's by default); None: a vLLM without it
+        self.version_answer: tuple[int, bytes] | None = (200, dumps({"version": "0.32.0"}))
+        #: vLLM's --max-num-queued-reqs: a generation that would make the requests in flight
+        #: (n sequences counting n) exceed it is refused with vLLM's 503 (None: no cap)
+        self.max_num_queued_reqs: int | None = None
+        #: vllm:admission_rejections_total by reason (what the cap refused)
+        self.admission_rejections: dict[str, float] = {
+            "max_num_queued_reqs": 0.0,
+            "max_num_queued_tokens": 0.0,
+        }
+        self.queued_sequences = 0  # sequences of the generations in flight (the cap's count)
         # what it saw
         self.requests: list[Recorded] = []
         self.in_flight = 0  # generations (and /slow streams) running now
@@ -196,7 +219,7 @@ class FakeVllm:
 
     def non_probe_requests(self) -> list[Recorded]:
         """Requests other than the sidecar's own scrapes, discovery and token counting."""
-        probes = ("/metrics", "/v1/models", "/tokenize")
+        probes = ("/metrics", "/v1/models", "/tokenize", "/version")
 
         def probe(r: Recorded) -> bool:
             # the sidecar's /health checks carry no user-agent (it sends no default headers)
@@ -246,6 +269,9 @@ class FakeVllm:
             r'(?<=[{,])num_gpu_blocks="\d+"', f'num_gpu_blocks="{self.num_gpu_blocks}"', text
         )
         text = re.sub(r'(?<=[{,])block_size="\d+"', f'block_size="{self.block_size}"', text)
+        for reason, count in self.admission_rejections.items():
+            pattern = rf'^(vllm:admission_rejections_total\{{[^}}]*reason="{reason}"[^}}]*\}}) \S+$'
+            text = re.sub(pattern, rf"\g<1> {count!r}", text, flags=re.M)
         if self.max_loras is not None:
             # registered just before vllm:cache_config_info (PrometheusStatLogger.__init__)
             at = text.index("# HELP vllm:cache_config_info ")
@@ -287,6 +313,8 @@ class FakeVllm:
             await respond(send, 200, dumps(self.models()))
         elif path == "/health" and method == "GET":
             await respond(send, 200, b"", content_type=None)
+        elif path == "/version" and method == "GET" and self.version_answer is not None:
+            await respond(send, *self.version_answer)
         elif path == "/tokenize" and method == "POST":
             await self._tokenize(send, rec)
         elif path in GENERATION_PATHS and method == "POST":
@@ -488,8 +516,18 @@ class FakeVllm:
         if isinstance(planned, Refusal):
             await respond(send, planned.status, planned.body)
             return
+        cap = self.max_num_queued_reqs
+        if cap is not None and self.queued_sequences + planned.n > cap:
+            # AsyncLLM.check_admission, from each handler's _preflight: before a stream starts
+            self.admission_rejections["max_num_queued_reqs"] += 1
+            await respond(send, 503, QUEUE_FULL_ERROR)
+            return
         work = self._stream(send, planned) if planned.stream else self._answer(send, planned)
-        await self._run_watched(receive, work)
+        self.queued_sequences += planned.n
+        try:
+            await self._run_watched(receive, work)
+        finally:
+            self.queued_sequences -= planned.n
 
     def max_tokens_for(self, prompt_tokens: int, max_tokens: int | None) -> int:
         """vLLM's ``get_max_tokens`` with this fake's generation config and override cap."""

@@ -4,9 +4,12 @@
 scrape of ``/metrics`` (block size, pool, cache dtype, prefix caching) and, when vLLM's model
 directory is readable, the model's ``config.json`` for the exact KV geometry and its
 ``generation_config.json`` for the default ``max_tokens`` (:func:`generation_config_max_tokens`;
-``--default-max-tokens`` and ``--max-tokens-cap`` say what the directory cannot). The result is an
-:class:`EngineConfig` that the app swaps in with one assignment, as the scraper swaps snapshots;
-nothing edits it in place (a new pool size is a new value, :meth:`EngineConfig.with_snapshot`).
+``--default-max-tokens`` and ``--max-tokens-cap`` say what the directory cannot) and
+``/version`` for vLLM's version, checked against the versions the sidecar mirrors
+(:mod:`sidecar.engine.versions`: one warning line per version seen, never a failure). The
+result is an :class:`EngineConfig` that the app swaps in with one assignment, as the scraper swaps
+snapshots; nothing edits it in place (a new pool size is a new value,
+:meth:`EngineConfig.with_snapshot`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import httpx
 
 from sidecar.engine.snapshot import EngineSnapshot
+from sidecar.engine.versions import ReportedVersion, VersionCheck, parse_version_answer
 from sidecar.errors import ConfigError, GeometryError
 from sidecar.kv.geometry import KVGeometry, ModelKV, UniformBlocks, load_config
 from sidecar.kv.projection import BlockMath
@@ -50,6 +54,8 @@ class EngineConfig:
     default_max_tokens: int | None = None
     #: vLLM's ``override_max_tokens``: caps every request, even one naming its own max_tokens
     max_tokens_cap: int | None = None
+    #: what vLLM's ``GET /version`` said (None: no /version, or an answer that names none)
+    vllm_version: str | None = None
 
     def with_snapshot(self, snap: EngineSnapshot) -> EngineConfig:
         """This config with the pool a newer scrape reports (a new value, or ``self``)."""
@@ -69,6 +75,7 @@ async def discover(
     tokenizer: Path | None = None,
     default_max_tokens: int | None = None,
     max_tokens_cap: int | None = None,
+    version_check: VersionCheck | None = None,
 ) -> EngineConfig:
     """Ask vLLM what it serves; raise LookupError (or an httpx error) while it cannot say, and
     :class:`ConfigError` for a setting that cannot work (``--model-config`` that cannot be read
@@ -77,6 +84,11 @@ async def discover(
     ``default_max_tokens`` and ``max_tokens_cap`` are the operator's word on vLLM's generation
     config (``--default-max-tokens``, ``--max-tokens-cap``); a given default wins over the model
     directory's ``generation_config.json`` (0: vLLM has none, whatever the file says).
+
+    vLLM's version comes from ``GET /version``; a vLLM without it, or with an answer that is not
+    one, is discovered all the same (``vllm_version`` None). ``version_check`` remembers what was
+    said already (the process's own by default): a version outside the supported range, or none,
+    is logged once as a warning.
     """
     resp = await client.get(upstream + "/v1/models")
     resp.raise_for_status()
@@ -121,6 +133,11 @@ async def discover(
         )
         blocks = UniformBlocks(snap.block_size, bytes_per_block)
 
+    reported = await _vllm_version(client, upstream)
+    problem = (version_check or _VERSION_CHECK).problem(reported)
+    if problem is not None:
+        log.warning("%s", problem)
+
     tokenizer_path = _tokenizer(tokenizer, model_dir)
     default, source = _default_max_tokens(default_max_tokens, model_dir)
     _log_max_tokens_defaults(default, source, max_tokens_cap)
@@ -138,7 +155,22 @@ async def discover(
         model_dir=model_dir if geometry is not None else None,
         default_max_tokens=default,
         max_tokens_cap=max_tokens_cap,
+        vllm_version=reported.version,
     )
+
+
+#: what this process said about vLLM's version already (each problem is logged once)
+_VERSION_CHECK = VersionCheck()
+
+
+async def _vllm_version(client: httpx.AsyncClient, upstream: str) -> ReportedVersion:
+    """vLLM's ``GET /version``; never raises (an older or stripped-down vLLM may lack it)."""
+    try:
+        resp = await client.get(upstream + "/version")
+        body = await resp.aread()
+    except httpx.HTTPError as exc:
+        return ReportedVersion(None, f"GET /version failed: {type(exc).__name__}")
+    return parse_version_answer(resp.status_code, body)
 
 
 #: Where ``transformers``' ``GenerationConfig.from_model_config`` looks for generation

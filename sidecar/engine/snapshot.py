@@ -78,6 +78,8 @@ _STEPS = "iteration_tokens_total_count"
 #: LoRA adapters running and waiting, as labels of a gauge vLLM sets to the time of each update
 #: (old label sets stay, with older times): relayed for the llm-d endpoint picker
 _LORA_INFO = "lora_requests_info"
+#: requests vLLM's own queue caps refused (--max-num-queued-reqs / -tokens), by ``reason``
+_ADMISSION_REJECTIONS = "admission_rejections_total"
 
 _OLD_NAMES: dict[str, str] = {
     "gpu_cache_usage_perc": _KV_USAGE,  # vLLM V0 and early V1
@@ -99,6 +101,7 @@ _WANTED = frozenset(
         _STEP_TOKENS_SUM,
         _STEPS,
         _LORA_INFO,
+        _ADMISSION_REJECTIONS,
         *_OLD_NAMES,
     }
 )
@@ -151,6 +154,9 @@ class EngineSnapshot:
     step_tokens_total: float = 0.0  # tokens those steps processed (prefill and decode)
     #: the newest ``vllm:lora_requests_info`` sample (its labels and value), when vLLM serves LoRA
     lora_info: tuple[tuple[tuple[str, str], ...], float] | None = None
+    #: ``vllm:admission_rejections_total`` by reason (``max_num_queued_reqs``,
+    #: ``max_num_queued_tokens``), summed over its series; empty when vLLM exports none
+    admission_rejections: tuple[tuple[str, float], ...] = ()
     engine: str = ""  # vLLM's ``engine`` label, in a per-engine snapshot
     per_engine: tuple[EngineSnapshot, ...] = ()  # data parallel: one per engine, in rank order
 
@@ -213,6 +219,7 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
     lora: tuple[tuple[tuple[str, str], ...], float] | None = None
     lengths: dict[float, float] = {}  # le -> cumulative count, over engines
     ended: dict[str, float] = {}  # finished_reason -> answers, over engines
+    rejections: dict[str, float] = {}  # reason -> requests vLLM's queue caps refused
     old: dict[str, dict[str, _Sample]] = {}
     for line in lines:
         try:
@@ -224,6 +231,10 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
             if short == _LORA_INFO:
                 if math.isfinite(sample.value) and (lora is None or sample.value > lora[1]):
                     lora = (tuple(sorted(sample.labels.items())), sample.value)
+            elif short == _ADMISSION_REJECTIONS:
+                reason = sample.labels.get("reason", "")
+                if math.isfinite(sample.value):
+                    rejections[reason] = rejections.get(reason, 0.0) + sample.value
             elif short == _SUCCESS:
                 reason = sample.labels.get("finished_reason", "")
                 if math.isfinite(sample.value):
@@ -279,6 +290,7 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         has_cache_config=bool(config),
         per_engine=per_engine,
         lora_info=lora,
+        admission_rejections=tuple(sorted(rejections.items())),
     )
 
 

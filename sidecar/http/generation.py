@@ -8,7 +8,11 @@
 Each request is counted once in ``kv_sidecar_requests_total``: at the gate, or where it was
 refused before the gate (bad body, prompt too long, engine not ready). What happens after
 admission (vLLM unreachable, a timeout, a broken answer) is counted in
-``kv_sidecar_upstream_errors_total``, not as a second decision.
+``kv_sidecar_upstream_errors_total``, not as a second decision, with one exception: vLLM's own
+queue caps (``--max-num-queued-reqs``, ``--max-num-queued-tokens``) refusing an admitted request
+with their 503 (:mod:`sidecar.engine.queue_caps`). That request's reservation is released and
+its client gets the sidecar's backpressure, 429 ``engine_queue_full`` with Retry-After, counted
+as a refusal (``decision="reject"``) besides its admission.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.learner import request_class
 from sidecar.admission.retry import fingerprint
 from sidecar.counting import GenerationRequest, counting_view, parse_generation
+from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL, MAX_REFUSAL_BYTES, queue_cap_reason
 from sidecar.errors import BadRequest, CountingBusy, UpstreamError
 from sidecar.http import refusals
 from sidecar.http.headers import forward_headers
-from sidecar.http.relay import ClientWatch, Relay, read_body, respond
+from sidecar.http.relay import ClientWatch, Relay, read_body, read_small, replay, respond
 from sidecar.http.seams import Engine, Gate, MetricsSink
 from sidecar.http.types import Receive, Scope, Send
 from sidecar.http.usage import UsageTracker
@@ -296,6 +301,11 @@ class GenerationPath:
                 return None
         if response is None:
             return None  # the client left before vLLM's answer began: the send was cancelled
+        if response.status_code == 503:
+            answer = await self._engine_refusal(response, send, record, trace)
+            if answer is None:
+                return None  # answered: vLLM's own queue cap refused it, or its answer broke
+            response = answer
         record.status = response.status_code
 
         gate = self.gate
@@ -330,6 +340,41 @@ class GenerationPath:
             # only natural ends teach the expected-mode learner how long answers run
             if completed and response.status_code == 200:
                 return tokens
+        return None
+
+    async def _engine_refusal(
+        self,
+        response: httpx.Response,
+        send: Send,
+        record: RequestRecord,
+        trace: RequestTrace | None,
+    ) -> httpx.Response | None:
+        """A 503 from vLLM: when its queue cap refused the request, answer the client with the
+        sidecar's 429 and return None; else the answer to relay as it came."""
+        try:
+            body = await read_small(response, MAX_REFUSAL_BYTES)
+        except UpstreamError as exc:
+            await response.aclose()
+            self.metrics.upstream_failed(exc.kind)
+            record.upstream_error = exc.kind
+            if trace is not None:
+                trace.upstream_answered(response.status_code, exc.kind)
+            await _respond(send, record, refusals.from_error(exc))
+            return None
+        if body is None:
+            return response  # not one vLLM's queue caps send: relayed, streamed
+        await response.aclose()
+        vllm_reason = queue_cap_reason(response.status_code, body)
+        if vllm_reason is None:
+            return replay(response, body)
+        # the exporter counts it as a refusal (see Metrics.upstream_failed)
+        self.metrics.upstream_failed(ENGINE_QUEUE_FULL)
+        record.decision = Outcome.REJECT.value
+        record.reason = ENGINE_QUEUE_FULL
+        if trace is not None:
+            trace.upstream_answered(response.status_code, None)
+        log.debug("vLLM's queue cap (%s) refused an admitted request", vllm_reason)
+        await _respond(send, record, refusals.engine_queue_full(vllm_reason))
         return None
 
 

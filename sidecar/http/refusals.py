@@ -16,6 +16,7 @@ import json
 import math
 
 from sidecar.admission.decisions import REFUSALS, Decision, Outcome, Reason
+from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL, ENGINE_QUEUE_RETRY_AFTER
 from sidecar.errors import BadRequest, SidecarError, UpstreamTimeout
 from sidecar.http.types import Headers
 
@@ -64,6 +65,26 @@ def from_decision(decision: Decision) -> Response:
 def refusal(reason: Reason, message: str, retry_after: float | None = None) -> Response:
     """The response for a refusal the gate did not decide (not ready, for example)."""
     return from_decision(Decision(Outcome.REJECT, reason, retry_after=retry_after, message=message))
+
+
+#: vLLM's queue-cap reasons, as the flags an operator sets
+_CAP_FLAGS = {
+    "max_num_queued_reqs": "--max-num-queued-reqs",
+    "max_num_queued_tokens": "--max-num-queued-tokens",
+}
+
+
+def engine_queue_full(vllm_reason: str) -> Response:
+    """The sidecar's backpressure in place of vLLM's 503 when its own queue cap refused an
+    admitted request: 429 ``engine_queue_full`` with Retry-After, as the gate's refusals read.
+
+    >>> status, headers, body = engine_queue_full("max_num_queued_reqs")
+    >>> status, dict(headers)[b"retry-after"], json.loads(body)["error"]["code"]
+    (429, b'1', 'engine_queue_full')
+    """
+    flag = _CAP_FLAGS.get(vllm_reason, vllm_reason)
+    message = f"vLLM's own queue cap ({flag}) is reached; retry later or on another replica"
+    return _response(429, "rate_limit_error", ENGINE_QUEUE_FULL, message, ENGINE_QUEUE_RETRY_AFTER)
 
 
 def from_error(exc: SidecarError) -> Response:

@@ -132,6 +132,29 @@ async def _pump_body(
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+async def read_small(response: httpx.Response, limit: int) -> bytes | None:
+    """The whole raw body of an answer that declares a length of at most ``limit`` bytes and no
+    content encoding, read now (the answer can still be relayed: :func:`replay`); None, with
+    nothing read, for any other answer. Raises :class:`~sidecar.errors.UpstreamError` when the
+    body breaks off."""
+    headers = response.headers
+    length = headers.get("content-length", "")
+    if headers.get("content-encoding") or not length.isdigit() or int(length) > limit:
+        return None
+    chunks: list[bytes] = []
+    with map_httpx_exceptions():
+        async for chunk in response.aiter_raw():
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def replay(response: httpx.Response, body: bytes) -> httpx.Response:
+    """``response`` again, with the raw ``body`` :func:`read_small` read from it, to relay."""
+    return httpx.Response(
+        response.status_code, headers=response.headers.raw, stream=httpx.ByteStream(body)
+    )
+
+
 async def respond(send: Send, response: refusals.Response) -> None:
     """Send a whole small response (a refusal or an error)."""
     status, headers, body = response

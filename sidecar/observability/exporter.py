@@ -8,6 +8,7 @@ histograms. Everything registers on the registry passed in, so tests use a fresh
 from __future__ import annotations
 
 import math
+import platform
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -23,11 +24,14 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from sidecar import __version__
 from sidecar.admission.ask import KVState
 from sidecar.admission.decisions import DECISION_LABELS, Decision, Outcome, Reason
 from sidecar.counting import SELF_CHECKED_SHAPES, PromptShape, TokenCount
 from sidecar.engine.discovery import EngineConfig
+from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL, ENGINE_QUEUE_RETRY_AFTER
 from sidecar.engine.snapshot import EngineSnapshot
+from sidecar.engine.versions import MIRRORED, supported_text
 from sidecar.kv.projection import Projection
 from sidecar.observability.cpu import CpuLimitCollector
 from sidecar.observability.loop_lag import LAG_BUCKETS
@@ -189,6 +193,8 @@ class Metrics:
             (decision.value, reason.value): self.requests.labels(decision, reason)
             for decision, reason in DECISION_LABELS
         }
+        # vLLM's own queue caps refusing a request the gate admitted (see upstream_failed)
+        self._engine_queue_full = self._request(Outcome.REJECT.value, ENGINE_QUEUE_FULL)
         self._upstream_errors: dict[str, Counter] = {
             kind: self.upstream_errors.labels(kind) for kind in UPSTREAM_ERRORS
         }
@@ -230,6 +236,15 @@ class Metrics:
         self.request_duration.observe(seconds)
 
     def upstream_failed(self, kind: str) -> None:
+        """A failure talking to vLLM, by ``kind``; or, for ``engine_queue_full``, vLLM's own
+        queue cap refusing a request the gate had admitted: not a failure but a refusal, counted
+        as ``kv_sidecar_requests_total{decision="reject",reason="engine_queue_full"}`` with the
+        Retry-After the client was given (the event reaches the exporter by this one method, so
+        that relay workers carry it to the owner as any other upstream event)."""
+        if kind == ENGINE_QUEUE_FULL:
+            self._engine_queue_full.inc()
+            self.retry_after.observe(ENGINE_QUEUE_RETRY_AFTER)
+            return
         child = self._upstream_errors.get(kind)
         if child is None:
             child = self._upstream_errors[kind] = self.upstream_errors.labels(kind)
@@ -437,15 +452,46 @@ def vllm_info(info: EngineConfig | None) -> InfoMetricFamily:
     prefix_caching = info.prefix_caching if info is not None else None
     return InfoMetricFamily(
         f"{PREFIX}_vllm",
-        "The engine behind the sidecar.",
+        "The engine behind the sidecar (version: what vLLM's /version said, empty if nothing).",
         value={
             "model": info.model if info is not None else "",
+            "version": (info.vllm_version or "") if info is not None else "",
             "block_size": str(info.block_size if info is not None else 0),
             "num_gpu_blocks": str(info.num_gpu_blocks if info is not None else 0),
             "cache_dtype": info.cache_dtype if info is not None else "",
             "prefix_caching": "" if prefix_caching is None else str(prefix_caching).lower(),
         },
     )
+
+
+def build_info() -> InfoMetricFamily:
+    """``kv_sidecar_build_info``: the sidecar's own version, its Python, and the vLLM whose
+    rules it mirrors."""
+    return InfoMetricFamily(
+        f"{PREFIX}_build",
+        "The sidecar's build: its version, its Python, the vLLM release whose rendering, "
+        "defaults and metric names it mirrors, and the vLLM versions it supports.",
+        value={
+            "version": __version__,
+            "python_version": platform.python_version(),
+            "vllm_mirrored": MIRRORED,
+            "vllm_supported": supported_text(),
+        },
+    )
+
+
+def vllm_admission_rejections(snap: EngineSnapshot) -> CounterMetricFamily:
+    """vLLM's own ``vllm:admission_rejections_total`` by reason, relayed from its last scrape."""
+    family = CounterMetricFamily(
+        f"{PREFIX}_vllm_admission_rejections",
+        "Requests vLLM's own queue caps refused with 503 (--max-num-queued-reqs, "
+        "--max-num-queued-tokens), by vLLM's reason: its vllm:admission_rejections_total at the "
+        "last scrape, since vLLM started.",
+        labels=["reason"],
+    )
+    for reason, count in snap.admission_rejections:
+        family.add_metric([reason], count)
+    return family
 
 
 class StateCollector(Collector):
@@ -520,6 +566,7 @@ class StateCollector(Collector):
             value=state.preemptions_seen,
         )
         yield vllm_info(info)
+        yield build_info()
         yield InfoMetricFamily(
             f"{PREFIX}_config", "The sidecar's admission settings.", value=src.config_labels
         )
@@ -528,6 +575,8 @@ class StateCollector(Collector):
         snap = self.admission.snapshot
         if snap is not None and snap.lora_info is not None:
             yield vllm_lora_requests_info(*snap.lora_info)
+        if snap is not None and snap.admission_rejections:
+            yield vllm_admission_rejections(snap)
 
 
 #: vLLM's own name and label names for its KV cache config, which the llm-d endpoint picker's
