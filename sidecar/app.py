@@ -31,6 +31,7 @@ from sidecar.engine.health import HealthMonitor
 from sidecar.engine.scraper import Scraper
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.errors import ConfigError
+from sidecar.http.admin import Admin, SettingsCollector
 from sidecar.http.agent import AgentServer, Room
 from sidecar.http.clients import make_transport, own_client
 from sidecar.http.engine_setup import EngineDiscovery, close_counter
@@ -47,6 +48,7 @@ from sidecar.kv.ledger import Ledger
 from sidecar.observability import logs
 from sidecar.observability.exporter import Metrics
 from sidecar.observability.loop_lag import LoopLagMonitor
+from sidecar.observability.refusals import RecentRefusals
 from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracing import from_env as tracing_from_env
 
@@ -104,6 +106,12 @@ class Sidecar:
         )
         self.engine: Engine | None = None  # swapped whole when found, never edited in place
         self.traffic = Traffic()
+        config_labels = {  # kv_sidecar_config_info's; the admin API keeps policy and headroom
+            "policy": settings.policy.value,
+            "reservation": settings.reservation.value,
+            "headroom": str(settings.headroom),
+            "stale_policy": settings.stale_policy.value,
+        }
         self.metrics = Metrics(
             self.registry,
             self.admission,
@@ -111,14 +119,18 @@ class Sidecar:
             vllm_up=lambda: self.scraper.up,
             ready=self.ready,
             scrape_errors=lambda: self.scraper.errors_total,
-            config_labels={
-                "policy": settings.policy.value,
-                "reservation": settings.reservation.value,
-                "headroom": str(settings.headroom),
-                "stale_policy": settings.stale_policy.value,
-            },
+            config_labels=config_labels,
             process_children=relays.supervisor.pids if relays is not None else None,
         )
+        # the runtime settings (--admin): their routes on the metrics port, metrics and /state
+        self.admin = Admin(
+            self.admission,
+            enabled=settings.admin,
+            token=settings.admin_token,
+            config_labels=config_labels,
+            refusals=RecentRefusals(self.metrics.requests),
+        )
+        self.registry.register(SettingsCollector(self.admin))
         self.loop_lag = LoopLagMonitor(self.metrics.event_loop_lag)
         self.owner: AdmissionOwner | None = None
         if relays is not None:
@@ -163,7 +175,9 @@ class Sidecar:
             readiness=self.ready_check.report,
             state=self.admission.state,
             event_loop_tasks=self.event_loop_tasks,
+            runtime=self.admin.state,
         )
+        self.admin.add_routes(self.ops)
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
     @property
@@ -279,6 +293,7 @@ class Sidecar:
                 self.engine = dataclasses.replace(engine, config=config)
         self.admission.on_snapshot(snap)
         self.metrics.on_snapshot()
+        self.admin.refusals.sample()
 
     def _found(self, engine: Engine, snap: EngineSnapshot) -> None:
         config = engine.config

@@ -1,4 +1,7 @@
-"""The ``kv-sidecar`` command: ``serve`` (the proxy) and ``plan`` (the offline capacity calculator).
+"""The ``kv-sidecar`` command: ``serve`` the proxy, ``plan`` capacity, ``status`` of a sidecar.
+
+``plan`` is the offline capacity calculator; ``status`` reads a running sidecar's state from its
+metrics port.
 
 Errors end with one line on stderr (``kv-sidecar: error: ...``) and a non-zero exit, never a
 traceback.
@@ -438,6 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _plan_parser(sub)
+    status = sub.add_parser(
+        "status",
+        help="a running sidecar's pool, requests, queue, settings and refusals",
+        description="Print a running sidecar's state (its /state and /readyz) for a person.",
+    )
+    status.add_argument("url", metavar="URL", help="its metrics port, e.g. http://127.0.0.1:9091")
+    status.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds (5)")
+    status.add_argument("--json", action="store_true", help="print /state as JSON")
     sub.add_parser(
         "serve",
         help="run the admission-controlling proxy (see `kv-sidecar serve --help`)",
@@ -456,10 +467,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = plan(args)
             print(json.dumps(result) if args.json else _render_table(result))
             return 0
+        if args.command == "status":
+            return _status(args)
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     return 2
+
+
+def _status(args: argparse.Namespace) -> int:
+    from sidecar.observability.status import StatusError, base_url, fetch, render
+
+    if not args.timeout > 0:  # NaN too
+        print(
+            f"{PROG} status: error: --timeout must be positive, got {args.timeout}", file=sys.stderr
+        )
+        return 2
+    try:
+        state, ready = fetch(args.url, timeout=args.timeout)
+    except StatusError as exc:
+        print(f"{PROG} status: error: {one_line(str(exc))}", file=sys.stderr)
+        return 1
+    text = render(state, ready, base_url(args.url))
+    print(json.dumps(state, indent=2) if args.json else text)
+    return 0
 
 
 def _serve(argv: list[str]) -> int:

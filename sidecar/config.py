@@ -104,6 +104,13 @@ class Settings(BaseSettings):
     """Port of the HAProxy agent-check server: it answers each check with a weight from the KV
     headroom the trajectories project, and ``drain`` while the sidecar shuts down
     (deploy/gateway/haproxy.cfg). Unset: no agent."""
+    admin: bool = False
+    """Serve the admin API on the metrics port: GET, PATCH and PUT /admin/settings read and
+    change the runtime settings (--headroom, --max-queue-depth, --max-queue-wait, --spill-wait,
+    --policy) while the sidecar serves (README: Changing settings at runtime). Off: 403."""
+    admin_token: SecretStr | None = None
+    """With --admin, the bearer token every admin request must carry (Authorization: Bearer
+    TOKEN); set it by env var rather than flag, which other processes can read. Unset: none."""
 
     model_config_path: Path | None = Field(
         default=None,

@@ -85,6 +85,8 @@ class _Waiter:
     ask: Ask
     enqueued_at: float
     future: asyncio.Future[Reservation] = field(repr=False)
+    timer: asyncio.TimerHandle = field(repr=False)  # ends its wait (tuning.py moves it)
+    shed: tuple[Reason, str] | None = None  # its refusal, when not queue_timeout (tuning.py)
 
 
 class AdmissionController:
@@ -442,7 +444,8 @@ class AdmissionController:
     async def wait(self, ask: Ask, cancelled: asyncio.Event | None = None) -> Decision:
         """Queue a request until it fits, its wait runs out, or ``cancelled`` is set."""
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(ask, self._clock(), loop.create_future())
+        fut = loop.create_future()
+        waiter = _Waiter(ask, self._clock(), fut, loop.call_later(self.max_queue_wait, fut.cancel))
         self._queue.append(waiter)
         self._queued_peak_blocks += ask.projection.peak_blocks
         watch: asyncio.Task[bool] | None = (
@@ -452,10 +455,9 @@ class AdmissionController:
             waitables: set[asyncio.Future[Any]] = {waiter.future}
             if watch is not None:
                 waitables.add(watch)
-            await asyncio.wait(
-                waitables, timeout=self.max_queue_wait, return_when=asyncio.FIRST_COMPLETED
-            )
+            await asyncio.wait(waitables, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            waiter.timer.cancel()
             if watch is not None:
                 watch.cancel()
             self._leave(waiter)
@@ -471,12 +473,9 @@ class AdmissionController:
             return Decision(Outcome.CANCEL, Reason.CLIENT_DISCONNECT, waited_seconds=waited)
         if self.draining:
             return self._draining_refusal(waited)
-        return self._refuse(
-            Reason.QUEUE_TIMEOUT,
-            f"waited {waited:.1f}s for KV cache without room; retry later",
-            ask,
-            waited,
-        )
+        said = f"waited {waited:.1f}s for KV cache without room; retry later"
+        reason, message = waiter.shed or (Reason.QUEUE_TIMEOUT, said)
+        return self._refuse(reason, message, ask, waited)
 
     def _leave(self, waiter: _Waiter) -> None:
         """Remove a waiter that is done waiting; an admission it missed is handed back."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -38,9 +39,18 @@ class Readiness(BaseModel):
 @dataclasses.dataclass(frozen=True)
 class State(KVState):
     """The ledger, the queue and the engine's view, in KV blocks: every field of
-    :class:`~sidecar.admission.ask.KVState`, and the event loop's task count."""
+    :class:`~sidecar.admission.ask.KVState`, the event loop's task count, and the runtime
+    settings, the queue's oldest wait and the refusals by reason (``sidecar.http.admin``)."""
 
     event_loop_tasks: int = 0
+    #: the runtime settings admission decides by now (changed with --admin's PATCH)
+    settings: Mapping[str, float | int | str] = dataclasses.field(default_factory=dict)
+    admin_enabled: bool = False
+    queue_oldest_wait_seconds: float | None = None
+    refusals_total: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: refusals by reason in the last ``refusals_recent_seconds`` (about a minute)
+    refusals_recent: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    refusals_recent_seconds: float = 0.0
 
 
 def finite(value: float) -> float | None:
@@ -54,6 +64,7 @@ def build_ops_app(
     readiness: Callable[[], Readiness],
     state: Callable[[], KVState],
     event_loop_tasks: Callable[[], int],
+    runtime: Callable[[], Mapping[str, Any]] = dict,
 ) -> FastAPI:
     app = FastAPI(
         title="kv-sidecar metrics port",
@@ -80,6 +91,6 @@ def build_ops_app(
         """The admission state in KV blocks (what the gauges on /metrics are computed from)."""
         kv = state()
         values = {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv)}
-        return State(**values, event_loop_tasks=event_loop_tasks())
+        return State(**values, event_loop_tasks=event_loop_tasks(), **runtime())
 
     return app
