@@ -137,8 +137,10 @@ class Settings(BaseSettings):
     policy: Policy = Policy.queue
     """A request that does not fit now: refuse with 429 (reject), wait (queue), or forward it
     anyway and only measure (observe: a dry run that changes no traffic)."""
-    max_queue_wait: float = Field(default=30.0, ge=0)
-    """Seconds a request may wait in the queue before it gets 429 queue_timeout."""
+    max_queue_wait: float = Field(default=300.0, ge=0)
+    """Seconds a request may wait in the queue before it gets 429 queue_timeout (default: half
+    the 600 s that the openai client and the shipped gateways wait for an answer, so that a
+    refusal comes before they give up and an admitted request still has time to run)."""
     spill_wait: float = Field(default=2.0, ge=0)
     """--policy spill: a request whose expected wait here (from the trajectories) is longer than
     this many seconds is refused at once with 429 and Retry-After, so that a gateway that retries

@@ -214,7 +214,7 @@ async def test_a_patch_applies_to_the_next_decision_and_is_logged_and_exported(
         assert state["settings"] == {
             "headroom": 0.9,
             "max_queue_depth": 256,
-            "max_queue_wait": 30.0,
+            "max_queue_wait": 300.0,
             "spill_wait": 2.0,
             "policy": "reject",
         }

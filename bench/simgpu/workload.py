@@ -36,7 +36,7 @@ LONG_QUEUE_WAIT = 600.0
 WORKLOADS = ["chat", "burst", "thrash", "poisson"]
 #: the sidecar's time-valued defaults (seconds), multiplied by the engine's time scale so that
 #: they mean the same span of simulated time (its 0.5 s scrape is 0.5 simulated seconds)
-SIDECAR_TIMES = {"--scrape-interval": 0.5, "--metrics-stale-after": 5.0, "--max-queue-wait": 30.0}
+SIDECAR_TIMES = {"--scrape-interval": 0.5, "--metrics-stale-after": 5.0, "--max-queue-wait": 300.0}
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ class AdmissionController:
         policy: Policy = Policy.queue,
         headroom: float = 0.05,
         max_queue_depth: int = 256,
-        max_queue_wait: float = 30.0,
+        max_queue_wait: float = 300.0,
         spill_wait: float = 2.0,
         reservation: ReservationMode = ReservationMode.worst_case,
         expected_quantile: float = 0.95,
