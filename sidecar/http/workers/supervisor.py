@@ -3,9 +3,8 @@
 :func:`worker_count` resolves ``--workers`` (``auto``: the CPUs the container may use).
 :func:`listen_socket` binds the proxy port once, in the owner, so that every worker accepts on
 the same socket (inherited as a file descriptor) and a replaced worker finds it already bound.
-:class:`Supervisor` starts ``python -m sidecar.http.workers.worker`` once per slot, at
-:data:`WORKER_NICE` more niceness than the owner, and starts a new one when one exits, until it
-is stopped. :class:`RelayWorkers` is what the owner holds for
+:class:`Supervisor` starts ``python -m sidecar.http.workers.worker`` once per slot and starts a
+new one when one exits, until it is stopped. :class:`RelayWorkers` is what the owner holds for
 them: the listening socket, the private directory of its own Unix socket, and the supervisor.
 """
 
@@ -31,12 +30,6 @@ log = logging.getLogger("sidecar.owner")
 #: a worker that exits sooner than this after its start is restarted after a growing pause
 _QUICK_EXIT_SECONDS = 5.0
 _MAX_RESTART_PAUSE = 5.0
-#: niceness the workers run at above the owner's: where the owner and its workers want the same
-#: core, the owner's loop (every worker's admission decisions, the scrape, the metrics port)
-#: has the larger share of it: at +5 a worker weighs 335 against the owner's 1024 in the
-#: kernel's fair share (each nice step is about 1.25x). Niceness only weighs a contended core:
-#: the workers still take every core the owner leaves idle
-WORKER_NICE = 5
 
 
 def worker_count(
@@ -79,13 +72,10 @@ def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
 class Supervisor:
     """Starts the relay workers and replaces any that exits, until :meth:`stop`."""
 
-    def __init__(
-        self, count: int, *, socket_path: str, listen_fd: int, nice: int = WORKER_NICE
-    ) -> None:
+    def __init__(self, count: int, *, socket_path: str, listen_fd: int) -> None:
         self.count = count
         self.socket_path = socket_path
         self.listen_fd = listen_fd
-        self.nice = nice
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.restarts = 0
         self._stopping = False
@@ -119,8 +109,6 @@ class Supervisor:
                 str(self.listen_fd),
                 "--index",
                 str(index),
-                "--nice",
-                str(self.nice),
                 pass_fds=(self.listen_fd,),
                 # signals to the owner's process group (a terminal's Ctrl-C, a supervisor that
                 # signals the group) must not stop the workers before the owner has drained

@@ -1,8 +1,7 @@
 """One relay worker process: the proxy port's app on the owner's listening socket.
 
 Run by the owner (:class:`~sidecar.http.workers.supervisor.Supervisor`) as
-``python -m sidecar.http.workers.worker --socket PATH --listen-fd N --index I --nice K``, at
-``K`` more niceness than the owner (``supervisor.WORKER_NICE``). It connects to
+``python -m sidecar.http.workers.worker --socket PATH --listen-fd N --index I``. It connects to
 the owner, receives the settings, builds the same :class:`~sidecar.http.proxy.Proxy` and
 :class:`~sidecar.http.generation.GenerationPath` as the single-process sidecar, with its own
 pool to vLLM and the owner's stand-ins for the gate, the metrics and the engine
@@ -182,15 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="the owner's Unix socket")
     parser.add_argument("--listen-fd", type=int, required=True, help="the proxy port's socket")
     parser.add_argument("--index", type=int, required=True, help="this worker's slot")
-    parser.add_argument(
-        "--nice", type=int, default=0, help="niceness to add to the owner's (before any thread)"
-    )
     args = parser.parse_args(argv)
-    if args.nice:
-        try:  # the owner's loop first when the workers and it want the same core
-            os.nice(args.nice)
-        except OSError as exc:  # pragma: no cover - raising one's niceness is never refused
-            print(f"relay worker {args.index}: niceness kept ({exc})", flush=True)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         import uvloop
