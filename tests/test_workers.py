@@ -392,6 +392,11 @@ def test_requests_spread_over_both_workers_and_are_counted_once(
     assert metric_value(text, "kv_sidecar_requests_total", reason="prompt_too_long") == 1
     assert sum(served_by(sidecar).values()) == sent + 2
     assert metric_value(text, "kv_sidecar_relay_workers") == 2
+    # no `_created` series in the owner's exposition, nor in the workers' prometheus_client
+    assert "_created" not in text
+    for pid in children(owner):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"PROMETHEUS_DISABLE_CREATED_SERIES=True" in environ
     assert (metric_value(text, "kv_sidecar_prompt_counts_total") or 0) >= sent
     assert (metric_value(text, "kv_sidecar_completion_tokens_total") or 0) == 8 * sent
     assert metric_value(text, "process_cpu_seconds_total")

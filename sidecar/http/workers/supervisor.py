@@ -30,6 +30,8 @@ log = logging.getLogger("sidecar.owner")
 #: a worker that exits sooner than this after its start is restarted after a growing pause
 _QUICK_EXIT_SECONDS = 5.0
 _MAX_RESTART_PAUSE = 5.0
+#: prometheus_client's switch for its `_created` series, set for every relay worker
+CREATED_SERIES_ENV = "PROMETHEUS_DISABLE_CREATED_SERIES"
 
 
 def worker_count(
@@ -110,6 +112,8 @@ class Supervisor:
                 "--index",
                 str(index),
                 pass_fds=(self.listen_fd,),
+                # no `_created` series from prometheus_client there either (as in the owner)
+                env={**os.environ, CREATED_SERIES_ENV: "True"},
                 # signals to the owner's process group (a terminal's Ctrl-C, a supervisor that
                 # signals the group) must not stop the workers before the owner has drained
                 start_new_session=True,
