@@ -230,7 +230,12 @@ def check_response(
     else:
         assert resp.status_code < 500, (resp.status_code, resp.text[:300], raw[:200])
         if resp.status_code >= 400:
-            error = resp.json()["error"]
+            body = resp.json()
+            error = body["error"]
+            if resp.request.url.path == "/v1/messages":  # Anthropic's shape, the code leading
+                assert body["type"] == "error" and set(error) == {"type", "message"}, body
+                code, _, message = error["message"].partition(": ")
+                error = {"code": code, "message": message}
             assert error["code"] in SIDECAR_CODES, error
             assert error["message"], error
     # the ledger: totals equal the sum of reservations, and empty once the answer is over

@@ -18,7 +18,6 @@ as a refusal (``decision="reject"``) besides its admission.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -33,7 +32,13 @@ from sidecar.counting import GenerationRequest, counting_view, parse_generation
 from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL, MAX_REFUSAL_BYTES, queue_cap_reason
 from sidecar.errors import BadRequest, CountingBusy, UpstreamError
 from sidecar.http import refusals
-from sidecar.http.headers import forward_headers
+from sidecar.http.headers import (
+    REQUEST_ID_HEADER,
+    forward_headers,
+    new_request_id,
+    request_id_of,
+    with_request_id,
+)
 from sidecar.http.relay import ClientWatch, Relay, read_body, read_small, replay, respond
 from sidecar.http.seams import Engine, Gate, MetricsSink
 from sidecar.http.types import Receive, Scope, Send
@@ -52,8 +57,6 @@ NOT_READY_RETRY_AFTER = 2.0
 _DROP_REQUEST_HEADERS = frozenset({b"host", b"content-length"})
 #: optional request header naming the class a request's answer length is learned in
 CLASS_HEADER = b"x-kv-sidecar-class"
-#: the client's id of a request, else one the sidecar makes (and sends on to vLLM)
-REQUEST_ID_HEADER = b"x-request-id"
 #: vLLM's header that sends a request to one data-parallel engine (chat, completions, messages)
 DP_RANK_HEADER = b"x-data-parallel-rank"
 #: the endpoints whose handlers read it (``/v1/responses`` does not, in vLLM 0.32)
@@ -92,14 +95,16 @@ class GenerationPath:
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, raw_path: bytes, endpoint: str
     ) -> None:
-        client_id = _header(scope, REQUEST_ID_HEADER)
+        client_id = request_id_of(scope["headers"])
         record = RequestRecord(
-            clip(client_id) if client_id is not None else os.urandom(16).hex(),
+            clip(client_id.decode("latin-1")) if client_id is not None else new_request_id(),
             scope["path"],
             endpoint,
         )
         if client_id is None:
             record.generated_id = True
+        else:
+            record.id_header = client_id  # echoed as sent, even when the logs clip it
         REQUEST_ID.set(record.request_id)  # this request's task only: every line it logs
         trace = self.tracing.start(scope, record, endpoint) if self.tracing is not None else None
         try:
@@ -323,7 +328,14 @@ class GenerationPath:
         try:
             if response.status_code >= 500:
                 self.metrics.upstream_failed("status_5xx")
-            completed = await self.relay.relay(response, send, watch, on_chunk)
+            completed = await self.relay.relay(
+                response,
+                send,
+                watch,
+                on_chunk,
+                request_id=record.id_header,
+                anthropic=record.endpoint == "messages",
+            )
         except UpstreamError as exc:
             self.metrics.upstream_failed(exc.kind)
             record.upstream_error = exc.kind
@@ -391,4 +403,6 @@ def _decided(record: RequestRecord, decision: Decision) -> None:
 
 async def _respond(send: Send, record: RequestRecord, response: refusals.Response) -> None:
     record.status = response[0]
-    await respond(send, response)
+    if record.endpoint == "messages":  # Anthropic's clients read Anthropic's error shape
+        response = refusals.anthropic_shaped(response, record.id_header)
+    await respond(send, with_request_id(response, record.id_header))

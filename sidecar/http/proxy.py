@@ -18,7 +18,7 @@ from sidecar.counting import GENERATION_PATHS
 from sidecar.errors import UpstreamError
 from sidecar.http import refusals
 from sidecar.http.generation import GenerationPath
-from sidecar.http.headers import forward_headers
+from sidecar.http.headers import forward_headers, new_request_id, request_id_of, with_request_id
 from sidecar.http.relay import ClientWatch, Relay, respond
 from sidecar.http.seams import MetricsSink, Traffic
 from sidecar.http.types import Receive, Scope, Send
@@ -61,9 +61,8 @@ class Proxy:
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         if not raw_path.startswith(b"/"):
             # absolute-form or authority-form targets could name another host: never follow them
-            await respond(
-                send, refusals.plain(400, "request target must be a path", code="invalid_target")
-            )
+            refusal = refusals.plain(400, "request target must be a path", code="invalid_target")
+            await respond(send, _with_id(scope, refusal))
             if self.access_log:
                 _log(scope, 400, start)
             return
@@ -77,9 +76,8 @@ class Proxy:
                 f"request headers exceed the limit of {self.max_headers} headers "
                 f"or {self.max_header_bytes} bytes"
             )
-            await respond(
-                send, refusals.plain(431, message, code="request_header_fields_too_large")
-            )
+            refusal = refusals.plain(431, message, code="request_header_fields_too_large")
+            await respond(send, _with_id(scope, refusal))
             if self.access_log:
                 _log(scope, 431, start)
             return
@@ -150,7 +148,7 @@ class Proxy:
                         return 499
                     self.metrics.upstream_failed(exc.kind)
                     refusal = refusals.from_error(exc)
-                    await respond(send, refusal)
+                    await respond(send, _with_id(scope, refusal))
                     return refusal[0]
                 except _ClientGone:
                     return 499
@@ -166,6 +164,15 @@ class Proxy:
             return response.status_code
         finally:
             watch.close()
+
+
+def _with_id(scope: Scope, response: refusals.Response) -> refusals.Response:
+    """An answer of the proxy's own with the client's X-Request-Id, else a new one, and in
+    Anthropic's shape on its paths (a relayed pass-through answer is vLLM's, as it came)."""
+    request_id = request_id_of(scope["headers"]) or new_request_id().encode()
+    if refusals.is_anthropic_path(scope["path"]):
+        response = refusals.anthropic_shaped(response, request_id)
+    return with_request_id(response, request_id)
 
 
 def _log(scope: Scope, status: int, start: float) -> None:

@@ -2,7 +2,10 @@
 
 Body shape: ``{"error": {"message", "type", "param", "code"}}`` as OpenAI and vLLM send it. The
 gate's refusals read their status and code from ``sidecar.admission.decisions.REFUSALS``; errors
-from the tree in ``sidecar.errors`` map here (:func:`from_error`).
+from the tree in ``sidecar.errors`` map here (:func:`from_error`). On Anthropic's endpoint
+(``/v1/messages`` and below it) the same answer is given in Anthropic's shape
+(:func:`anthropic_shaped`): same status and headers, ``{"type": "error", "error": {"type",
+"message"}, "request_id"}``.
 
 >>> status, headers, body = from_decision(
 ...     Decision(Outcome.REJECT, Reason.QUEUE_FULL, retry_after=2.5, message="full"))
@@ -105,3 +108,56 @@ def plain(status: int, message: str, *, code: str) -> Response:
     """A refusal of the proxy's own that is not an admission decision (bad target, ...)."""
     body = error_body(message, type_="invalid_request_error", code=code)
     return status, list(_JSON), body
+
+
+#: Anthropic's error type by HTTP status (docs.claude.com/en/api/errors); any other 4xx is an
+#: invalid_request_error, any other 5xx an api_error. 503 stays 503 (Anthropic's own overload is
+#: a 529): the status is the sidecar's, whatever the shape.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """``/v1/messages`` and the paths below it (``/v1/messages/count_tokens``): Anthropic's API.
+
+    >>> is_anthropic_path("/v1/messages"), is_anthropic_path("/v1/chat/completions")
+    (True, False)
+    """
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_body(status: int, message: str, *, request_id: str | None = None) -> bytes:
+    """An Anthropic error body: ``{"type": "error", "error": {"type", "message"}}`` (and
+    ``request_id`` when known, as Anthropic's API answers)."""
+    type_ = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    out: dict[str, object] = {"type": "error", "error": {"type": type_, "message": message}}
+    if request_id is not None:
+        out["request_id"] = request_id
+    return json.dumps(out).encode()
+
+
+def anthropic_shaped(response: Response, request_id: bytes | None = None) -> Response:
+    """One of this module's OpenAI-shaped answers in Anthropic's shape: the same status and
+    headers (Retry-After included); the error's code leads its message (``kv_cache_full: ...``),
+    as Anthropic's body has no field for it.
+
+    >>> status, _, body = anthropic_shaped(refusal(Reason.QUEUE_FULL, "full", 2.0), b"r1")
+    >>> status, json.loads(body)
+    (429, {'type': 'error', 'error': {'type': 'rate_limit_error', 'message': 'queue_full: full'}, \
+'request_id': 'r1'})
+    """
+    status, headers, body = response
+    error = json.loads(body)["error"]
+    code, message = error.get("code"), str(error.get("message") or "")
+    if isinstance(code, str) and code:
+        message = f"{code}: {message}"
+    rid = request_id.decode("latin-1") if request_id is not None else None
+    return status, headers, anthropic_body(status, message, request_id=rid)

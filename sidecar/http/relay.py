@@ -23,7 +23,7 @@ import httpx
 
 from sidecar.errors import BadRequest, UpstreamError
 from sidecar.http import refusals
-from sidecar.http.headers import forward_headers
+from sidecar.http.headers import REQUEST_ID_HEADER, forward_headers, request_id_of
 from sidecar.http.seams import Upstream
 from sidecar.http.transport.errors import map_httpx_exceptions
 from sidecar.http.types import Headers, Receive, Send
@@ -81,8 +81,15 @@ class Relay:
         send: Send,
         watch: ClientWatch,
         on_chunk: Callable[[bytes], None] | None = None,
+        *,
+        request_id: bytes | None = None,
+        anthropic: bool = False,
     ) -> bool:
         """Relay status, headers and body; False when the client went away first.
+
+        ``request_id``: the ``X-Request-Id`` the answer carries when vLLM's has none (vLLM adds
+        it only with ``--enable-request-id-headers``, from the one the sidecar sent).
+        ``anthropic``: a stream that breaks off ends with Anthropic's ``event: error``.
 
         Raises :class:`~sidecar.errors.UpstreamError` when vLLM's answer broke off (the client's
         response is then already ended, with an SSE error event for a stream).
@@ -90,12 +97,14 @@ class Relay:
         if watch.gone.is_set():
             return False
         headers = forward_headers(response.headers.raw)
+        if request_id is not None and request_id_of(headers) is None:
+            headers.append((REQUEST_ID_HEADER, request_id))
         sse = response.headers.get("content-type", "").startswith("text/event-stream")
         with watch.guard():
             await send(
                 {"type": "http.response.start", "status": response.status_code, "headers": headers}
             )
-            await _pump_body(response, send, on_chunk, sse)
+            await _pump_body(response, send, on_chunk, sse, anthropic)
             return True
         return False  # the client left: the guard stopped the relay
 
@@ -105,6 +114,7 @@ async def _pump_body(
     send: Send,
     on_chunk: Callable[[bytes], None] | None,
     sse: bool,
+    anthropic: bool = False,
 ) -> None:
     try:
         with map_httpx_exceptions():
@@ -115,18 +125,13 @@ async def _pump_body(
     except UpstreamError as exc:
         log.warning("upstream failed mid-answer: %s", exc)
         if sse:  # tell an SSE client what happened before ending the stream
-            body = refusals.error_body(
-                f"vLLM failed mid-answer: {type(exc.__cause__ or exc).__name__}",
-                type_="server_error",
-                code="upstream_failed",
-            )
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"data: " + body + b"\n\n",
-                    "more_body": True,
-                }
-            )
+            message = f"vLLM failed mid-answer: {type(exc.__cause__ or exc).__name__}"
+            if anthropic:  # Anthropic's stream error event
+                event = b"event: error\ndata: " + refusals.anthropic_body(500, message)
+            else:
+                body = refusals.error_body(message, type_="server_error", code="upstream_failed")
+                event = b"data: " + body
+            await send({"type": "http.response.body", "body": event + b"\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         raise
     await send({"type": "http.response.body", "body": b"", "more_body": False})

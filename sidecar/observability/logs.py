@@ -153,6 +153,7 @@ class RequestRecord:
         "decision",
         "endpoint",
         "generated_id",
+        "id_header",
         "model",
         "path",
         "projected_blocks",
@@ -172,6 +173,8 @@ class RequestRecord:
         self.path = path
         self.endpoint = endpoint
         self.generated_id = False  # the sidecar made the id: it goes to vLLM as X-Request-Id
+        #: the X-Request-Id the client's answer carries: the client's as sent, else the made one
+        self.id_header = request_id.encode("latin-1")
         self.start = time.perf_counter()
         self.model: str | None = None
         self.stream: bool | None = None
