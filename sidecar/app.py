@@ -176,6 +176,7 @@ class Sidecar:
             state=self.admission.state,
             event_loop_tasks=self.event_loop_tasks,
             runtime=self.admin.state,
+            docs=settings.docs,
         )
         self.admin.add_routes(self.ops)
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()

@@ -108,6 +108,11 @@ class Settings(BaseSettings):
     """Serve the admin API on the metrics port: GET, PATCH and PUT /admin/settings read and
     change the runtime settings (--headroom, --max-queue-depth, --max-queue-wait, --spill-wait,
     --policy) while the sidecar serves (README: Changing settings at runtime). Off: 403."""
+    docs: bool = False
+    """Serve the API pages: Swagger UI at /docs and the OpenAPI document at /openapi.json on the
+    metrics port, and vLLM's own /docs and /redoc through the proxy port. Swagger UI loads its
+    scripts from a CDN, so the page is blank in a cluster without internet access. Off: 404 for
+    these pages on both ports (vLLM's /openapi.json still passes through)."""
     admin_token: SecretStr | None = None
     """With --admin, the bearer token every admin request must carry (Authorization: Bearer
     TOKEN); set it by env var rather than flag, which other processes can read. Unset: none."""

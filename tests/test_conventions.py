@@ -231,3 +231,27 @@ async def test_a_broken_stream_ends_with_the_error_event_of_its_api(anthropic: b
     else:
         body = json.loads(last.removeprefix(b"data: "))
         assert body["error"]["code"] == "upstream_failed"
+
+
+async def test_api_pages_are_off_on_both_ports_by_default(upstream: FakeServer) -> None:
+    async with run_sidecar(upstream) as stack:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert (await stack.ops.get(path)).status_code == 404, path
+        for path in ("/docs", "/redoc"):
+            resp = await stack.client.get(path, headers={"x-request-id": "d-1"})
+            error = openai_error(resp, 404, "not_found")
+            assert "--docs" in error["message"] and resp.headers["x-request-id"] == "d-1"
+        assert (await stack.ops.get("/state")).status_code == 200  # the rest is served
+        seen = [r.path for r in stack.fake.requests if r.path in ("/docs", "/redoc")]
+        assert seen == []  # refused here, never asked of vLLM
+
+
+async def test_docs_serves_the_pages(upstream: FakeServer) -> None:
+    async with run_sidecar(upstream, docs=True) as stack:
+        page = await stack.ops.get("/docs")
+        assert page.status_code == 200 and "swagger" in page.text.lower()
+        spec = (await stack.ops.get("/openapi.json")).json()
+        assert "/state" in spec["paths"] and "/readyz" in spec["paths"]
+        assert (await stack.ops.get("/redoc")).status_code == 404  # only Swagger UI
+        await stack.client.get("/docs")  # relayed to vLLM, whatever it answers
+        assert [r.path for r in stack.fake.requests if r.path == "/docs"] == ["/docs"]

@@ -1,6 +1,7 @@
 """The metrics port: ``/metrics``, ``/healthz``, ``/readyz`` and ``/state``, with its OpenAPI page.
 
-A FastAPI app: typed response models document ``/readyz`` and ``/state`` at ``/docs``. Every
+A FastAPI app: typed response models document ``/readyz`` and ``/state`` at ``/docs`` and
+``/openapi.json``, served only with ``--docs`` (Swagger UI loads from a CDN). Every
 handler runs on the sidecar's event loop (``async def``), so that a scrape reads the ledger and
 the queue in one consistent moment. ``/metrics`` is rendered in slices that give the loop back
 between families (``sidecar.observability.exposition``): admission decides between them, and
@@ -65,10 +66,15 @@ def build_ops_app(
     state: Callable[[], KVState],
     event_loop_tasks: Callable[[], int],
     runtime: Callable[[], Mapping[str, Any]] = dict,
+    docs: bool = False,
 ) -> FastAPI:
     app = FastAPI(
         title="kv-sidecar metrics port",
         description="The sidecar's own metrics, health and admission state.",
+        # --docs: Swagger UI's page (its assets from a CDN) and the document it reads; no ReDoc
+        docs_url="/docs" if docs else None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if docs else None,
     )
 
     @app.get("/metrics", response_class=Response)

@@ -3,7 +3,8 @@
 Every method and path goes to the configured upstream unchanged (status, headers minus hop-by-hop
 ones, bodies, and streams in both directions, chunk by chunk). ``POST`` to a generation path
 goes through :class:`~sidecar.http.generation.GenerationPath` first. A client that goes away
-cancels the upstream request (vLLM then aborts the generation).
+cancels the upstream request (vLLM then aborts the generation). vLLM's API pages (``/docs``,
+``/redoc``: scripts from a CDN) are answered 404 here unless ``--docs``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from sidecar.http.types import Receive, Scope, Send
 from sidecar.observability.logs import clip, log_passthrough
 
 _DROP_REQUEST_HEADERS = frozenset({b"host"})
+#: vLLM's pages that load Swagger UI or ReDoc from a CDN (FastAPI's defaults); 404 unless --docs
+DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 class _ClientGone(Exception):
@@ -44,6 +47,7 @@ class Proxy:
         max_headers: int,
         max_header_bytes: int,
         access_log: bool = False,
+        docs: bool = False,
     ) -> None:
         self.relay = relay
         self.generation = generation
@@ -53,6 +57,7 @@ class Proxy:
         self.max_header_bytes = max_header_bytes
         #: an access log line for each request that is not a generation request
         self.access_log = access_log
+        self.docs = docs  # vLLM's /docs and /redoc pass through
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,6 +85,12 @@ class Proxy:
             await respond(send, _with_id(scope, refusal))
             if self.access_log:
                 _log(scope, 431, start)
+            return
+        if not self.docs and scope["path"] in DOCS_PATHS:
+            message = "the API pages are off on this sidecar (kv-sidecar serve --docs)"
+            await respond(send, _with_id(scope, refusals.plain(404, message, code="not_found")))
+            if self.access_log:
+                _log(scope, 404, start)
             return
         endpoint = None
         if scope["method"] == "POST":

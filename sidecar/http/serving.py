@@ -48,6 +48,7 @@ def build_proxy(
         max_headers=settings.max_headers,
         max_header_bytes=settings.max_header_bytes,
         access_log=settings.access_log is AccessLog.all,
+        docs=settings.docs,
     )
 
 
