@@ -4,7 +4,7 @@
 :meth:`AdmissionController.try_admit`, then, when that says "queue it",
 :meth:`AdmissionController.wait` in a task (``CANCEL`` sets its ``cancelled`` event); the
 decision goes back with the owner's number for the reservation, which ``STARTED``,
-``PROGRESSED`` and ``RELEASE`` then name. Since every promise of KV blocks is made here, by one
+``PROGRESS_BATCH`` and ``RELEASE`` then name. Since every promise of KV blocks is made here, by one
 controller on one event loop, no two workers can promise the same blocks. Messages are dispatched
 by their type (``sidecar.http.workers.wire``). The workers' metric events are recorded on the
 pod's one registry; their pass-through counts add up into the
