@@ -497,11 +497,11 @@ def _serve(argv: list[str]) -> int:
     from pydantic import ValidationError
     from pydantic_settings import CliApp
 
-    from sidecar.config import Settings, cli_args
+    from sidecar.config import Settings, cli_args, cli_source
 
     try:
         # exit_on_error off: argparse's refusals come back as one SettingsError line, no usage
-        settings = CliApp.run(Settings, cli_args=cli_args(argv), cli_exit_on_error=False)
+        settings = CliApp.run(Settings, cli_args=cli_args(argv), cli_settings_source=cli_source())
     except ValidationError as exc:
         print(f"{PROG} serve: error: {_invalid(exc)}", file=sys.stderr)
         return 2

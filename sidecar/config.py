@@ -1,9 +1,10 @@
 """The sidecar's settings: one pydantic-settings class for env vars and ``kv-sidecar serve`` flags.
 
 Every field is a flag (``--max-queue-wait``) and an env var (``KV_SIDECAR_MAX_QUEUE_WAIT``);
-flags win over env vars, env vars over defaults. Field docstrings are the ``--help`` text. An enum
-value is taken in either spelling (``worst-case`` or ``worst_case``: ``--help`` shows both), and
-:func:`names_of` says which flag and env var a field is, for error messages.
+flags win over env vars, env vars over defaults. Field docstrings are the ``--help`` text, with
+one default and the env var (:func:`help_text`, :func:`cli_source`). An enum value is taken in
+either spelling (``worst-case`` or ``worst_case``), and :func:`names_of` says which flag and env
+var a field is, for error messages.
 
 >>> Settings(_cli_parse_args=["--policy", "reject"]).policy
 <Policy.reject: 'reject'>
@@ -18,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "KV_SIDECAR_"
 
@@ -143,9 +144,9 @@ class Settings(BaseSettings):
     """A request that does not fit now: refuse with 429 (reject), wait (queue), or forward it
     anyway and only measure (observe: a dry run that changes no traffic)."""
     max_queue_wait: float = Field(default=300.0, ge=0)
-    """Seconds a request may wait in the queue before it gets 429 queue_timeout (default: half
-    the 600 s that the openai client and the shipped gateways wait for an answer, so that a
-    refusal comes before they give up and an admitted request still has time to run)."""
+    """Seconds a request may wait in the queue before it gets 429 queue_timeout; 300 is half the
+    600 s that the openai client and the shipped gateways wait for an answer, so that a refusal
+    comes before they give up and an admitted request still has time to run."""
     spill_wait: float = Field(default=2.0, ge=0)
     """--policy spill: a request whose expected wait here (from the trajectories) is longer than
     this many seconds is refused at once with 429 and Retry-After, so that a gateway that retries
@@ -211,7 +212,8 @@ class Settings(BaseSettings):
     max_headers: int = Field(default=100, gt=0)
     """Most headers on one request (431 above it; Envoy's default)."""
     upstream_api_key: SecretStr | None = None
-    """vLLM's --api-key, for the sidecar's own calls (discovery, /tokenize); never lent out."""
+    """vLLM's --api-key, for the sidecar's own calls (discovery, /tokenize); never lent out.
+    Unset: none."""
     drain_timeout: float = Field(default=30.0, ge=0)
     """Seconds in-flight requests get to finish after SIGTERM."""
     workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
@@ -259,9 +261,9 @@ def names_of(field: str) -> tuple[str, str]:
 
 
 def cli_args(argv: Sequence[str]) -> list[str]:
-    """``argv`` with every enum value in the spelling the CLI parser takes: ``--help`` shows
-    the values (``worst-case``) as the choices but the member's name (``worst_case``) as the
-    default, and pydantic-settings refuses the name with a bare exception.
+    """``argv`` with every enum value in the spelling the CLI parser takes: the choices are the
+    values (``worst-case``), a member's name (``worst_case``) is what Python code and older
+    documents spell, and pydantic-settings refuses the name with a bare exception.
 
     >>> cli_args(["--reservation", "worst_case", "--policy=queue", "--port", "8_080"])
     ['--reservation', 'worst-case', '--policy=queue', '--port', '8_080']
@@ -285,3 +287,72 @@ def _spelled(enum: type[Enum], value: str) -> str:
         return str(enum(value).value)
     except ValueError:
         return value  # not one of them: validation says so, naming the flag
+
+
+#: the metavar of a flag's value by its type, where its choices do not stand for it
+_METAVARS: dict[object, str] = {
+    int: "N",
+    float: "NUMBER",
+    str: "TEXT",
+    Path: "PATH",
+    SecretStr: "SECRET",
+}
+_FIELD_METAVARS = {"upstream": "URL", "host": "ADDRESS", "served_model_name": "NAME"}
+
+
+def help_text(field: str) -> str:
+    """``--help``'s text of a settings field: its docstring, one default, and its env var.
+
+    A field whose default is None says in its docstring what happens unset (``(default: ...)``
+    or ``Unset: ...``); any other gets ``(default: VALUE)`` in the spelling a flag takes.
+
+    >>> help_text("max_queue_depth")
+    'Requests the queue holds; beyond it new ones get 429 queue_full. (default: 256) [env: \
+KV_SIDECAR_MAX_QUEUE_DEPTH]'
+    """
+    info = Settings.model_fields[field]
+    text = " ".join((info.description or "").replace("``", "").split())
+    default = info.default
+    if default is not None:
+        if isinstance(default, bool):
+            shown = "on" if default else "off"
+        elif isinstance(default, Enum):
+            shown = str(default.value)
+        elif isinstance(default, float):
+            shown = f"{default:g}"
+        else:
+            shown = str(default)
+        text += f" (default: {shown})"
+    return f"{text} [env: {names_of(field)[1]}]"
+
+
+def _metavar(field: str, metavar: str | None) -> str | None:
+    if metavar is None or (metavar.startswith("{") and "null" not in metavar):
+        return metavar.replace("int", "N") if metavar else metavar  # choices: {N,auto}
+    if field in _FIELD_METAVARS:
+        return _FIELD_METAVARS[field]
+    annotation = Settings.model_fields[field].annotation
+    for kind in getattr(annotation, "__args__", None) or (annotation,):
+        if kind in _METAVARS:
+            return _METAVARS[kind]
+    return metavar
+
+
+def _add_argument(parser: Any, *names: str, **kwargs: Any) -> Any:
+    """pydantic-settings' ``add_argument``, each flag under its one spelling (no
+    ``--kv-sidecar-model-config`` from an alias), with :func:`help_text` and a plain metavar."""
+    flags = {names_of(f)[0]: f for f in Settings.model_fields}
+    field = next((flags[name] for name in names if name in flags), None)
+    if field is None:
+        return parser.add_argument(*names, **kwargs)
+    names = tuple(n for n in names if n == names_of(field)[0] or n.startswith("--no-"))
+    kwargs["help"] = help_text(field).replace("%", "%%")
+    if "metavar" in kwargs:
+        kwargs["metavar"] = _metavar(field, kwargs["metavar"])
+    return parser.add_argument(*names, **kwargs)
+
+
+def cli_source() -> CliSettingsSource[Settings]:
+    """The ``kv-sidecar serve`` parser: the flags of :class:`Settings` with :func:`help_text`;
+    argparse's refusals raised (one line), not printed with a usage."""
+    return CliSettingsSource(Settings, cli_exit_on_error=False, add_argument_method=_add_argument)
