@@ -12,14 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sidecar.admission.decisions import REFUSALS
-from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL
 
 #: The refusals that answer 429 with Retry-After: the client should come back (docs/metrics.md).
-#: From the decisions table, so that a new 429 reason reaches the dashboard and the alerts, and
-#: the one the sidecar answers in place of vLLM's own queue-cap 503 (``engine_queue_full``).
-REFUSED_429_REASONS: tuple[str, ...] = (
-    *(reason.value for reason, refusal in REFUSALS.items() if refusal.status == 429),
-    ENGINE_QUEUE_FULL,
+#: From the decisions table, so that a new 429 reason reaches the dashboard and the alerts (the
+#: one the sidecar answers in place of vLLM's own queue-cap 503, ``engine_queue_full``, too).
+REFUSED_429_REASONS: tuple[str, ...] = tuple(
+    reason.value for reason, refusal in REFUSALS.items() if refusal.status == 429
 )
 
 #: ``reason`` matcher selecting the 429 refusals of ``kv_sidecar_requests_total``.

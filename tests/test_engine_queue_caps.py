@@ -22,7 +22,8 @@ import pytest
 from harness.fake_vllm import FakeServer, FakeVllm, Refusal, write_model_dir
 from harness.vllm_cpu import VllmServer
 from harness.workload import SidecarProcess, metric_value
-from sidecar.engine.queue_caps import QUEUE_FULL_BODY, queue_cap_reason
+from sidecar.admission.decisions import DECISION_LABELS, REFUSALS, Outcome, Reason
+from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL, QUEUE_FULL_BODY, queue_cap_reason
 from tests.support.openai_errors import openai_error, retry_after
 from tests.support.stack import Stack, run_sidecar
 from tests.support.wait import eventually
@@ -63,6 +64,10 @@ def test_the_fakes_refusal_is_vllms() -> None:
     assert queue_cap_reason(503, QUEUE_FULL_ERROR) == "max_num_queued_reqs"
     assert queue_cap_reason(429, QUEUE_FULL_ERROR) is None
     assert queue_cap_reason(503, b"not json") is None
+    # a reason of the decisions table, answered from it as every refusal is
+    assert Reason(ENGINE_QUEUE_FULL) is Reason.ENGINE_QUEUE_FULL
+    assert REFUSALS[Reason.ENGINE_QUEUE_FULL] == (429, "rate_limit_error", ENGINE_QUEUE_FULL)
+    assert (Outcome.REJECT, Reason.ENGINE_QUEUE_FULL) in DECISION_LABELS
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -157,6 +162,14 @@ def test_relay_workers_carry_the_refusal_to_the_owner(upstream: FakeServer) -> N
         assert refused == 4, text
         assert metric_value(text, "kv_sidecar_upstream_errors_total", kind="status_5xx") == 0
         assert sidecar.state()["in_flight"] == 0
+        # Reason.ENGINE_QUEUE_FULL on the wire: each request counted once by its worker (at its
+        # admission, not again at its refusal), each refusal's Retry-After observed
+        served = sum(
+            metric_value(text, "kv_sidecar_relay_worker_requests_total", worker=w) or 0
+            for w in ("0", "1")
+        )
+        assert served == 4, text
+        assert metric_value(text, "kv_sidecar_retry_after_seconds_count") == 4, text
 
 
 # --- a real vLLM with --max-num-queued-reqs 1 ------------------------------------------------

@@ -47,6 +47,8 @@ class Reason(StrEnum):
     DRAINING = "draining"
     STALE_CLOSED = "stale_closed"
     NOT_READY = "not_ready"
+    # refused after the gate: vLLM's own queue cap answered 503 (sidecar.engine.queue_caps)
+    ENGINE_QUEUE_FULL = "engine_queue_full"
     # refused before the gate
     COUNTING_BUSY = "counting_busy"
     PROMPT_TOO_LONG = "prompt_too_long"
@@ -78,6 +80,8 @@ REFUSALS: dict[Reason, Refusal] = {
     # 429, not 503: shedding prompt counting is load, not a broken pod (a 5xx would count
     # toward a load balancer's outlier ejection)
     Reason.COUNTING_BUSY: Refusal(429, "rate_limit_error", "counting_busy"),
+    # the sidecar's backpressure in place of vLLM's queue-cap 503, for a request it had admitted
+    Reason.ENGINE_QUEUE_FULL: Refusal(429, "rate_limit_error", "engine_queue_full"),
 }
 
 _ADMIT = (Reason.FITS, Reason.QUEUED, Reason.STALE_OPEN, Reason.OBSERVED)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import json
 
-#: the sidecar's refusal reason (``kv_sidecar_requests_total{decision="reject"}``) and error code
+#: the sidecar's refusal reason (``kv_sidecar_requests_total{decision="reject"}``) and error code:
+#: ``Reason.ENGINE_QUEUE_FULL``'s value (``sidecar.admission.decisions``)
 ENGINE_QUEUE_FULL = "engine_queue_full"
 #: seconds the sidecar tells a client to wait after vLLM's queue cap refused it (vLLM says none;
 #: its queue frees a slot when any request in it ends)

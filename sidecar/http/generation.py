@@ -29,7 +29,11 @@ from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.learner import request_class
 from sidecar.admission.retry import fingerprint
 from sidecar.counting import GenerationRequest, counting_view, parse_generation
-from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL, MAX_REFUSAL_BYTES, queue_cap_reason
+from sidecar.engine.queue_caps import (
+    ENGINE_QUEUE_RETRY_AFTER,
+    MAX_REFUSAL_BYTES,
+    queue_cap_reason,
+)
 from sidecar.errors import BadRequest, CountingBusy, UpstreamError
 from sidecar.http import refusals
 from sidecar.http.headers import (
@@ -379,10 +383,9 @@ class GenerationPath:
         vllm_reason = queue_cap_reason(response.status_code, body)
         if vllm_reason is None:
             return replay(response, body)
-        # the exporter counts it as a refusal (see Metrics.upstream_failed)
-        self.metrics.upstream_failed(ENGINE_QUEUE_FULL)
-        record.decision = Outcome.REJECT.value
-        record.reason = ENGINE_QUEUE_FULL
+        # a refusal after the gate's admission (relay workers carry it to the owner as any)
+        self.metrics.refused(Reason.ENGINE_QUEUE_FULL, ENGINE_QUEUE_RETRY_AFTER)
+        _refused(record, Reason.ENGINE_QUEUE_FULL)
         if trace is not None:
             trace.upstream_answered(response.status_code, None)
         log.debug("vLLM's queue cap (%s) refused an admitted request", vllm_reason)

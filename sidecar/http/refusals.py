@@ -19,7 +19,7 @@ import json
 import math
 
 from sidecar.admission.decisions import REFUSALS, Decision, Outcome, Reason
-from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL, ENGINE_QUEUE_RETRY_AFTER
+from sidecar.engine.queue_caps import ENGINE_QUEUE_RETRY_AFTER
 from sidecar.errors import BadRequest, SidecarError, UpstreamTimeout
 from sidecar.http.types import Headers
 
@@ -87,7 +87,7 @@ def engine_queue_full(vllm_reason: str) -> Response:
     """
     flag = _CAP_FLAGS.get(vllm_reason, vllm_reason)
     message = f"vLLM's own queue cap ({flag}) is reached; retry later or on another replica"
-    return _response(429, "rate_limit_error", ENGINE_QUEUE_FULL, message, ENGINE_QUEUE_RETRY_AFTER)
+    return refusal(Reason.ENGINE_QUEUE_FULL, message, ENGINE_QUEUE_RETRY_AFTER)
 
 
 def from_error(exc: SidecarError) -> Response:

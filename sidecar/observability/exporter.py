@@ -40,7 +40,6 @@ from sidecar.admission.ask import KVState
 from sidecar.admission.decisions import DECISION_LABELS, Decision, Outcome, Reason
 from sidecar.counting import SELF_CHECKED_SHAPES, PromptShape, TokenCount
 from sidecar.engine.discovery import EngineConfig
-from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL, ENGINE_QUEUE_RETRY_AFTER
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.engine.versions import MIRRORED, supported_text
 from sidecar.kv.projection import Projection
@@ -207,8 +206,6 @@ class Metrics:
             (decision.value, reason.value): self.requests.labels(decision, reason)
             for decision, reason in DECISION_LABELS
         }
-        # vLLM's own queue caps refusing a request the gate admitted (see upstream_failed)
-        self._engine_queue_full = self._request(Outcome.REJECT.value, ENGINE_QUEUE_FULL)
         self._upstream_errors: dict[str, Counter] = {
             kind: self.upstream_errors.labels(kind) for kind in UPSTREAM_ERRORS
         }
@@ -250,15 +247,8 @@ class Metrics:
         self.request_duration.observe(seconds)
 
     def upstream_failed(self, kind: str) -> None:
-        """A failure talking to vLLM, by ``kind``; or, for ``engine_queue_full``, vLLM's own
-        queue cap refusing a request the gate had admitted: not a failure but a refusal, counted
-        as ``kv_sidecar_requests_total{decision="reject",reason="engine_queue_full"}`` with the
-        Retry-After the client was given (the event reaches the exporter by this one method, so
-        that relay workers carry it to the owner as any other upstream event)."""
-        if kind == ENGINE_QUEUE_FULL:
-            self._engine_queue_full.inc()
-            self.retry_after.observe(ENGINE_QUEUE_RETRY_AFTER)
-            return
+        """A failure talking to vLLM, by ``kind`` (vLLM's own queue cap refusing a request the
+        gate had admitted is no failure: a refusal, ``refused(Reason.ENGINE_QUEUE_FULL)``)."""
         child = self._upstream_errors.get(kind)
         if child is None:
             child = self._upstream_errors[kind] = self.upstream_errors.labels(kind)

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
-from sidecar.admission.decisions import Decision
+from sidecar.admission.decisions import Decision, Reason
 from sidecar.config import Settings
 from sidecar.engine.discovery import EngineConfig
 from sidecar.http.seams import Traffic
@@ -254,7 +254,8 @@ class AdmissionOwner:
                     self.requests_by_worker[link.index] += 1
                 case wire.Refused(reason, retry_after):
                     metrics.refused(reason, retry_after)
-                    self.requests_by_worker[link.index] += 1
+                    if reason is not Reason.ENGINE_QUEUE_FULL:  # that one was decided already
+                        self.requests_by_worker[link.index] += 1
                 case wire.UpstreamFailed(kind):
                     metrics.upstream_failed(kind)
                 case wire.Completed(tokens):
