@@ -13,6 +13,7 @@ real vLLM exporting its own spans: ``tests/test_tracing_vllm.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -70,7 +71,14 @@ def test_spans_reach_an_otlp_receiver_and_vllm_joins_the_trace(model_dir: Path) 
             "OTEL_SERVICE_NAME": "kv-sidecar-under-test",
         }
         sc = SidecarProcess(
-            upstream.url, "--policy", "queue", "--scrape-interval", "0.1", env=env
+            upstream.url,
+            "--policy",
+            "queue",
+            "--scrape-interval",
+            "0.1",
+            "--log-format",
+            "json",
+            env=env,
         ).start()
         try:
             traceparent = f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-01"
@@ -112,7 +120,7 @@ def test_spans_reach_an_otlp_receiver_and_vllm_joins_the_trace(model_dir: Path) 
     # the client's trace continues: same trace id, the client's span as the parent
     root = requests["first"]
     assert (root.trace_id, root.parent_id) == (TRACE_ID, CLIENT_SPAN_ID)
-    assert root.name == "POST /v1/chat/completions"
+    assert root.name == "chat tiny"  # OpenTelemetry's GenAI conventions: "{operation} {model}"
     assert root.attributes["http.request.method"] == "POST"
     assert root.attributes["url.path"] == "/v1/chat/completions"
     assert root.attributes["http.response.status_code"] == 200
@@ -124,6 +132,16 @@ def test_spans_reach_an_otlp_receiver_and_vllm_joins_the_trace(model_dir: Path) 
     assert root.attributes["kv_sidecar.reason"] == "fits"
     assert root.attributes["kv_sidecar.projected_blocks"] == 3
     assert root.attributes["kv_sidecar.queue_wait_s"] == 0.0
+
+    # its log lines name its trace and span, as the trace backend shows them
+    access = [
+        line
+        for line in (json.loads(text) for text in log.splitlines() if text.startswith("{"))
+        if line.get("logger") == "sidecar.access"
+    ]
+    first_line = next(line for line in access if line["request_id"] == "first")
+    assert (first_line["trace_id"], first_line["span_id"]) == (TRACE_ID, root.span_id)
+    assert {line["trace_id"] for line in access} == {s.trace_id for s in requests.values()}
 
     kids = children(spans, root)
     assert set(kids) == {"count prompt tokens", "admission queue", "POST /v1/chat/completions"}
@@ -164,6 +182,7 @@ def test_spans_reach_an_otlp_receiver_and_vllm_joins_the_trace(model_dir: Path) 
     long_root = requests["long"]
     assert long_root.attributes["http.response.status_code"] == 400
     assert long_root.attributes["kv_sidecar.reason"] == "prompt_too_long"
+    assert long_root.name == f"{long_root.attributes['gen_ai.operation.name']} tiny"
     assert set(children(spans, long_root)) == {"count prompt tokens"}
     assert "long" not in by_id
 

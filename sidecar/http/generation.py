@@ -49,7 +49,13 @@ from sidecar.http.types import Receive, Scope, Send
 from sidecar.http.usage import UsageTracker
 from sidecar.kv.ledger import Reservation
 from sidecar.kv.projection import Projection, project_counts
-from sidecar.observability.logs import REQUEST_ID, RequestRecord, clip, log_generation
+from sidecar.observability.logs import (
+    REQUEST_ID,
+    TRACE_IDS,
+    RequestRecord,
+    clip,
+    log_generation,
+)
 
 if TYPE_CHECKING:
     from sidecar.observability.tracing import RequestTrace, Tracing
@@ -111,6 +117,8 @@ class GenerationPath:
             record.id_header = client_id  # echoed as sent, even when the logs clip it
         REQUEST_ID.set(record.request_id)  # this request's task only: every line it logs
         trace = self.tracing.start(scope, record, endpoint) if self.tracing is not None else None
+        if trace is not None:
+            TRACE_IDS.set(trace.ids())  # every line this request logs names its trace
         try:
             await self._handle(scope, receive, send, raw_path, endpoint, record, trace)
         finally:

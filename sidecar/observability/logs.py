@@ -3,7 +3,9 @@
 A record may carry ``fields`` (``extra={"fields": {...}}``): the JSON format writes them as keys
 of the line's object, the text format as ``key=value`` after the message. A request's id (the
 client's ``X-Request-Id``, or one the sidecar made) is a context variable set by the generation
-path: every line logged while that request runs carries it as ``request_id``.
+path: every line logged while that request runs carries it as ``request_id``, and, when tracing
+is on, its span's ids as ``trace_id`` and ``span_id`` (W3C hex, as the trace backend shows them),
+to go from a line to its trace.
 
 The access log (logger ``sidecar.access``) writes one line per request from a
 :class:`RequestRecord`, a closed set of fields: nothing from the request's headers but its id,
@@ -37,6 +39,10 @@ ACCESS = logging.getLogger("sidecar.access")
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kv_sidecar_request_id", default=None
 )
+#: the (trace_id, span_id) of the request span whose task is running (None: no tracing)
+TRACE_IDS: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "kv_sidecar_trace_ids", default=None
+)
 #: longest client-chosen string (request id, model name) written to a line
 MAX_FIELD_CHARS = 200
 
@@ -54,6 +60,9 @@ def _fields(record: logging.LogRecord) -> dict[str, Any] | None:
     request_id = REQUEST_ID.get()
     if request_id is not None and (fields is None or "request_id" not in fields):
         fields = {"request_id": request_id, **(fields or {})}
+    ids = TRACE_IDS.get()
+    if ids is not None:
+        fields = {**(fields or {}), "trace_id": ids[0], "span_id": ids[1]}
     return fields
 
 

@@ -1,9 +1,13 @@
 """OpenTelemetry spans for generation requests, off unless the ``OTEL_*`` environment asks.
 
-One span per generation request (kind server), continuing the client's W3C ``traceparent``,
-with three children: ``count prompt tokens``, ``admission queue`` (the gate's decision and any
-wait for room) and the upstream call to vLLM (kind client), whose context goes to vLLM as a
-new ``traceparent``, so that vLLM's own spans (``--otlp-traces-endpoint``) join the trace.
+One span per generation request (kind server, named as OpenTelemetry's GenAI conventions name an
+inference: ``{gen_ai.operation.name} {gen_ai.request.model}``, ``chat tiny``; the operation alone
+while the model is not known), continuing the client's W3C ``traceparent``, with three
+children: ``count prompt tokens``, ``admission queue`` (the gate's decision and any wait for
+room) and the upstream call to vLLM (kind client, ``POST <path>`` as HTTP client spans are
+named), whose context goes to vLLM as a new ``traceparent``, so that vLLM's own spans
+(``--otlp-traces-endpoint``) join the trace. While a request runs, its log lines carry the
+request span's ``trace_id`` and ``span_id`` (``sidecar.observability.logs.TRACE_IDS``).
 
 :func:`from_env` reads the environment as the OpenTelemetry SDK does, with one difference: the
 SDK's default exporter is ``otlp``, the sidecar's is none. Tracing is on when
@@ -179,7 +183,7 @@ class Tracing:
         # onto the wall clock at the request's start
         wall_ns = time.time_ns()
         span = self.tracer.start_span(
-            f"POST {path}",
+            attributes["gen_ai.operation.name"],  # "chat {model}" once the body names it (end)
             context=parent,
             kind=SpanKind.SERVER,
             attributes=attributes,
@@ -205,6 +209,13 @@ class RequestTrace:
         self._wall_ns = wall_ns  # the wall clock at record.start
         self.span = span
         self.upstream: trace.Span | None = None
+
+    def ids(self) -> tuple[str, str] | None:
+        """The request span's trace and span ids in W3C hex (None when not valid)."""
+        context = self.span.get_span_context()
+        if not context.is_valid:
+            return None
+        return format(context.trace_id, "032x"), format(context.span_id, "016x")
 
     def _ns(self, perf: float) -> int:
         return self._wall_ns + int((perf - self._record.start) * 1e9)
@@ -278,6 +289,8 @@ class RequestTrace:
             ("http.response.status_code", record.status),
         )
         span.set_attributes({k: v for k, v in attributes if v is not None})
+        if record.model is not None:  # the GenAI conventions' name: "{operation} {model}"
+            span.update_name(f"{_OPERATIONS.get(record.endpoint, 'chat')} {record.model}")
         if record.status >= 500 or record.upstream_error is not None:
             span.set_attribute("error.type", record.upstream_error or str(record.status))
             span.set_status(Status(StatusCode.ERROR))
