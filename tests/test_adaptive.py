@@ -212,6 +212,24 @@ def test_where_a_certain_recompute_pays_a_long_answer_is_risked_at_the_floor() -
     assert ends == {2.7e-5: COLD_OUTPUT_TOKENS, 3e-4: 415}, ends
 
 
+def test_a_request_risked_at_the_floor_is_not_widened_by_preemptions() -> None:
+    """vLLM's preemptions widen the reservations that a quantile sets (the learner's boost), but
+    not one risked at the floor: it was admitted knowing it may be preempted, and widening it
+    would hold the batch back for a risk that running it pays for."""
+    ends = {}
+    for per_token in (2.7e-5, 3e-4):
+        clock = Clock()
+        ac = controller(clock)
+        _costly(ac, clock, per_token=per_token, running=20)
+        for length in range(300, 500, 5):
+            ac.learner.observe("completion:1000", length)
+        ac.learner.tighten()
+        ac.learner.tighten()
+        (ends[per_token],) = ac.ends(completion(600, 1000), "completion:1000")
+    assert ends[2.7e-5] == COLD_OUTPUT_TOKENS, ends
+    assert ends[3e-4] > 415, ends
+
+
 def test_a_preemption_widens_adaptive_reservations() -> None:
     clock = Clock()
     ac = controller(clock)

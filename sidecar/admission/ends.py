@@ -8,8 +8,8 @@
   engine (``sidecar.admission.costs``) is at most what running the request in the batch saves
   (a step's fixed share of its answer's steps over the batch), and at least ``risk_steps``
   decode steps (where the saving exceeds even a certain recompute, the floor
-  :data:`COLD_OUTPUT_TOKENS` or the class's median if shorter, widened as the answer runs past
-  it), from the class's
+  :data:`COLD_OUTPUT_TOKENS` or the class's likely length if shorter, widened as the answer
+  runs past it but not by vLLM's preemptions), from the class's
   answers, else every class's (vLLM's own history included). A class with none of its own whose
   requests name their max_tokens (``class:none`` names none) reserves all of it while at least
   ``1 - q`` of the answers seen ran to their max_tokens (vLLM's ``finished_reason="length"``):
@@ -71,8 +71,10 @@ class Ends:
             return max_tokens
         if quantile == SURE:
             # running it now saves more than its recompute would cost even if vLLM preempts it:
-            # risk it as vLLM does, from the floor, widened as it decodes (Reservation.end)
-            return learner.boosted(min(COLD_OUTPUT_TOKENS, likely), max_tokens)
+            # risk it as vLLM does, from the floor, widened as it decodes (Reservation.end). Not
+            # widened by vLLM's preemptions (the boost): it is admitted knowing it may be
+            # preempted, and widening it there would hold the batch back for a risk it pays for
+            return min(COLD_OUTPUT_TOKENS, likely)
         bound = learner.own_bound(klass, quantile)
         if bound is None:
             named = not klass.endswith(":none")
