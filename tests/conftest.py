@@ -33,6 +33,10 @@ __all__ = ["FIXTURES", "SESSION_BLOCKS", "VllmInfo"]
 #: failed assert reports its operands as it did in the test module it came from.
 pytest.register_assert_rewrite("tests.support")
 
+#: fixtures of a fake vLLM that several test modules share (a module's own fixture of the same
+#: name still takes precedence)
+pytest_plugins = ["tests.support.fake_upstream"]
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 #: Captured data and the scripts that captured it (they run in the vLLM venv and import vllm):

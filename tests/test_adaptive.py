@@ -201,33 +201,30 @@ def test_where_a_certain_recompute_pays_a_long_answer_is_risked_at_the_floor() -
     (450 x 0.95 / 20) and its recompute, even a certain one, costs ~2.7: it is risked at the
     floor, as vLLM risks it. At 0.3 ms a token (a 16 ms step, 62% fixed) it saves ~14 and a
     recompute costs ~19.5: the median, which half the answers outrun."""
-    ends = {}
-    for per_token in (2.7e-5, 3e-4):
-        clock = Clock()
-        ac = controller(clock)
-        _costly(ac, clock, per_token=per_token, running=20)
-        for length in range(300, 500, 5):
-            ac.learner.observe("completion:1000", length)
-        (ends[per_token],) = ac.ends(completion(600, 1000), "completion:1000")
+    ends = {per_token: _long_answer_end(per_token) for per_token in (2.7e-5, 3e-4)}
     assert ends == {2.7e-5: COLD_OUTPUT_TOKENS, 3e-4: 415}, ends
+
+
+def _long_answer_end(per_token: float, *, preemptions: int = 0) -> int:
+    """What a 600-token prompt of a class with 40 answers of 300-500 tokens reserves, in a batch
+    of 20 on a step of 10 ms + ``per_token`` per token, after ``preemptions``."""
+    clock = Clock()
+    ac = controller(clock)
+    _costly(ac, clock, per_token=per_token, running=20)
+    for length in range(300, 500, 5):
+        ac.learner.observe("completion:1000", length)
+    for _ in range(preemptions):
+        ac.learner.tighten()
+    (end,) = ac.ends(completion(600, 1000), "completion:1000")
+    return end
 
 
 def test_a_request_risked_at_the_floor_is_not_widened_by_preemptions() -> None:
     """vLLM's preemptions widen the reservations that a quantile sets (the learner's boost), but
     not one risked at the floor: it was admitted knowing it may be preempted, and widening it
     would hold the batch back for a risk that running it pays for."""
-    ends = {}
-    for per_token in (2.7e-5, 3e-4):
-        clock = Clock()
-        ac = controller(clock)
-        _costly(ac, clock, per_token=per_token, running=20)
-        for length in range(300, 500, 5):
-            ac.learner.observe("completion:1000", length)
-        ac.learner.tighten()
-        ac.learner.tighten()
-        (ends[per_token],) = ac.ends(completion(600, 1000), "completion:1000")
-    assert ends[2.7e-5] == COLD_OUTPUT_TOKENS, ends
-    assert ends[3e-4] > 415, ends
+    assert _long_answer_end(2.7e-5, preemptions=2) == COLD_OUTPUT_TOKENS
+    assert _long_answer_end(3e-4, preemptions=2) > 415
 
 
 def test_a_preemption_widens_adaptive_reservations() -> None:

@@ -8,14 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
+from harness.fake_vllm import FakeServer
 from sidecar.http import refusals
 from tests.support.openai_errors import openai_error, retry_after
 from tests.support.stack import run_sidecar
@@ -33,23 +31,6 @@ ANTHROPIC_TYPES = {
     "api_error",
     "overloaded_error",
 }
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[FakeServer]:
-    with FakeServer(FakeVllm(model_root=model_dir)) as s:
-        yield s
-
-
-@pytest.fixture
-def upstream(server: FakeServer, model_dir: Path) -> FakeServer:
-    server.app = FakeVllm(model_root=model_dir)
-    return server.start()
 
 
 def chat(**extra: Any) -> dict[str, Any]:

@@ -13,13 +13,12 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from harness.fake_vllm import FakeServer, FakeVllm, Refusal, write_model_dir
+from harness.fake_vllm import FakeServer, Refusal
 from harness.vllm_cpu import VllmServer
 from harness.workload import SidecarProcess, metric_value
 from sidecar.admission.decisions import DECISION_LABELS, REFUSALS, Outcome, Reason
@@ -29,23 +28,6 @@ from tests.support.stack import Stack, run_sidecar
 from tests.support.wait import eventually
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[FakeServer]:
-    with FakeServer(FakeVllm(model_root=model_dir)) as s:
-        yield s
-
-
-@pytest.fixture
-def upstream(server: FakeServer, model_dir: Path) -> FakeServer:
-    server.app = FakeVllm(model_root=model_dir)
-    return server.start()
 
 
 def completion(**extra: Any) -> dict[str, Any]:

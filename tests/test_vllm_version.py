@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import platform
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
+from harness.fake_vllm import FakeServer
 from harness.vllm_cpu import VLLM_CPU_VERSION
 from harness.workload import SidecarProcess
 from sidecar import __version__
@@ -27,23 +25,6 @@ from sidecar.engine.snapshot import parse_vllm_metrics
 from sidecar.engine.versions import MIRRORED, VersionCheck, version_problem
 from tests.conftest import VllmInfo
 from tests.support.stack import run_sidecar
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[FakeServer]:
-    with FakeServer(FakeVllm(model_root=model_dir)) as s:
-        yield s
-
-
-@pytest.fixture
-def upstream(server: FakeServer, model_dir: Path) -> FakeServer:
-    server.app = FakeVllm(model_root=model_dir)
-    return server.start()
 
 
 async def discover_once(upstream: FakeServer, check: VersionCheck) -> EngineConfig:
