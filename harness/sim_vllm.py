@@ -3,8 +3,9 @@
     python -m harness.sim_vllm --gpu h100-80gb \\
         --model-config harness/models/llama-3.1-8b-instruct.json --port 8000 [vllm serve flags]
 
-It runs ``vllm.entrypoints.openai.api_server`` (vLLM's CPU build, from the project's cached
-venv: started with another python, it re-executes itself there) with
+It runs ``vllm.entrypoints.openai.api_server`` (through ``harness.sim_api_server``, which keeps
+chunked prefill and prefix caching on for MLA models whatever the host CPU; vLLM's CPU build,
+from the project's cached venv: started with another python, it re-executes itself there) with
 ``--distributed-executor-backend harness.sim_executor.SimExecutor`` and the flags that make the
 CPU build behave as vLLM does on the named GPU:
 
@@ -141,7 +142,7 @@ def build_command(args: argparse.Namespace, rest: list[str]) -> tuple[list[str],
     spec = gpu(args.gpu)
     config = Path(args.model_config)
     directory = model_dir(config)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    cmd = [sys.executable, "-m", "harness.sim_api_server"]  # vLLM's server, as on a GPU host
     if not _given(rest, "--model"):
         cmd += ["--model", str(directory)]
     if not _given(rest, "--served-model-name"):
@@ -196,7 +197,10 @@ def dry_run(argv: list[str]) -> dict[str, object]:
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
+    from harness.sim_api_server import as_gpu_host
     from harness.sim_executor import SimEngine
+
+    as_gpu_host()
 
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:])
     config = AsyncEngineArgs.from_cli_args(ns).create_engine_config(
