@@ -40,15 +40,28 @@ UNREADY_WITHIN = 10.0
 @pytest.mark.vllm
 async def test_sigterm_drains_and_exits_zero(vllm: VllmInfo) -> None:
     assert vllm.model_dir is not None, "set KV_SIDECAR_TEST_MODEL_DIR for an external vLLM"
+    prompt_tokens = min(PROMPT_TOKENS, vllm.max_model_len // 2)
+    max_tokens = min(MAX_TOKENS, vllm.max_model_len - prompt_tokens - 1)
+    blocks_each = vllm.blocks_for(prompt_tokens + max_tokens)
+    # a budget for one request at a time, so that the burst's queue lasts several answers even
+    # where vLLM decodes an answer in under a second (a fresh-clone CI saw every request of a
+    # burst sized to the whole budget finish before the last of them arrived: no queue to see)
+    capacity = vllm.num_gpu_blocks - 1
+    headroom = 1.0 - (blocks_each + 0.5) / capacity
     sc = SidecarProcess(
-        vllm.url, "--policy", "queue", "--max-queue-wait", str(DRAIN), "--drain-timeout", str(DRAIN)
+        vllm.url,
+        "--policy",
+        "queue",
+        "--max-queue-wait",
+        str(DRAIN),
+        "--drain-timeout",
+        str(DRAIN),
+        "--headroom",
+        f"{headroom:.4f}",
     ).start()
     try:
         budget = sc.state()["budget_blocks"]
-        assert budget, f"the sidecar reports no KV budget: {sc.state()}"
-        prompt_tokens = min(PROMPT_TOKENS, vllm.max_model_len // 2)
-        max_tokens = min(MAX_TOKENS, vllm.max_model_len - prompt_tokens - 1)
-        blocks_each = vllm.blocks_for(prompt_tokens + max_tokens)
+        assert budget == blocks_each, f"a budget for one request: {sc.state()}"
         requests = math.floor(budget / blocks_each) + QUEUED
         prompts = make_prompts(vllm.model_dir, requests, prompt_tokens, seed=11)
         async with httpx.AsyncClient(
