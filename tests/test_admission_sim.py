@@ -4,11 +4,11 @@ answers, a queued burst over the pool), answers at different stages admitted by 
 peak, and the autoscaling signal of a 3x overload read by a real Prometheus while the engine is
 held.
 
-These were sampled from the free-running CPU vLLM (tests/test_admission_vllm.py,
-tests/test_autoscaling.py; the burst also runs there in tests/test_proxy_vllm.py), where a loaded
-machine left too few samples, or samples taken while an answer ended between vLLM's step and the
-sidecar's release. Here the engine runs a step
-only when the test grants it (``harness.sim_server``, manual mode): after each step the test
+These were sampled from the free-running CPU vLLM (tests/test_admission_vllm.py; the burst
+also runs there in tests/test_proxy_vllm.py; the overload ran in tests/test_autoscaling.py, removed
+once the held overload here asserted all it did), where a loaded machine left too few samples, or
+samples taken while an answer ended between vLLM's step and the sidecar's release. Here the
+engine runs a step only when the test grants it (``harness.sim_server``, manual mode): after each step the test
 waits until vLLM's /metrics show it, the clients have received what it produced and the
 sidecar has taken a scrape after that; the engine is still, so the sidecar's /state then sets
 its ledger against vLLM's usage at one instant, exactly.
