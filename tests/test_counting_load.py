@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from sidecar.config import Settings
 from sidecar.counting import CountMethod, ModelTokenizer, PromptCounter
 from sidecar.counting.slots import CountingSlots, default_slots
 from sidecar.errors import CountingBusy
+from tests.support.fake_upstream import serve_fresh
 from tests.support.openai_errors import openai_error, retry_after
 from tests.support.stack import Stack, run_sidecar
 from tests.support.wait import eventually
@@ -306,18 +307,13 @@ def model_dir() -> Path:
     return ensure_tokenizer_model()
 
 
-@pytest.fixture(scope="module")
-def upstream_server(model_dir: Path) -> Iterator[FakeServer]:
-    with FakeServer(FakeVllm(model_root=model_dir)) as server:
-        yield server
-
-
 @pytest.fixture
-def upstream(upstream_server: FakeServer, model_dir: Path) -> FakeServer:
+def upstream(server: FakeServer, model_dir: Path) -> FakeServer:
+    """The shared module server (tests/support/fake_upstream.py, on this module's model
+    directory) with a fresh fake whose context and pool fit every long prompt."""
     fake = FakeVllm(model_root=model_dir, max_model_len=200_000)
     fake.num_gpu_blocks = 100_000  # room for every long prompt: only counting limits them
-    upstream_server.app = fake
-    return upstream_server.start()
+    return serve_fresh(server, fake)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.fake_vllm import FakeServer, write_model_dir
+from harness.fake_vllm import FakeServer
 from harness.workload import SidecarProcess
 from tests.support.faultkit import ThreadedSidecar, ToughFake, raw_http
 from tests.support.wait import wait_for
@@ -55,12 +55,9 @@ SIDECAR_CODES = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def upstream(model_dir: Path) -> Iterator[FakeServer]:
+    """The fake vLLM with the reliability knobs (``ToughFake``), one for the module: the module's
+    sidecar stays in front of it (``model_dir`` is the shared one, tests/support/fake_upstream)."""
     with FakeServer(ToughFake(model_root=model_dir)) as server:
         yield server
 

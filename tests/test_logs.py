@@ -5,7 +5,8 @@ logger and message, uvicorn's lines included; each generation request has one ac
 its id, endpoint, decision and reason, prompt tokens, projected blocks, queue wait, status and
 duration; pass-through requests have one only with ``--access-log all``. The default (text,
 generation requests only) and ``--access-log off`` are checked too. No line holds the client's
-credentials, its prompt or its messages.
+credentials, its prompt or its messages. The fake is the shared ``upstream``
+(tests/support/fake_upstream.py): a fresh one for each test, on one server for the module.
 """
 
 from __future__ import annotations
@@ -13,15 +14,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from harness.fake_vllm import FakeServer, FakeVllm, count_prompt, write_model_dir
+from harness.fake_vllm import FakeServer, FakeVllm, count_prompt
 from harness.workload import SidecarProcess
 
 SECRET = "sk-live-0c4e1f9a7b2d4c6e8a0f3b5d7e9c1a2b"
@@ -31,17 +29,6 @@ OWN_KEY = "sk-own-5d1c9e7a3b0f4a2c8e6d4b2a0c9e7f5d"
 #: words that appear only in prompts and messages: never in a log line
 PROMPT_WORDS = "zanzibar quetzal marmalade"
 MAX_TOKENS = 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def upstream(model_dir: Path) -> Iterator[FakeServer]:
-    with FakeServer(FakeVllm(model_root=model_dir)) as server:
-        yield server
 
 
 def fake_of(server: FakeServer) -> FakeVllm:

@@ -32,6 +32,7 @@ from harness.fake_vllm import (
 )
 from harness.workload import SidecarProcess
 from sidecar.http.types import Message
+from tests.support.fake_upstream import serve_fresh
 from tests.support.openai_errors import openai_error, retry_after
 from tests.support.stack import Stack, run_sidecar
 from tests.support.wait import eventually
@@ -43,18 +44,8 @@ CHAT = [{"role": "user", "content": PROMPT}]
 # --- the stack (tests/support/stack.py) -------------------------------------------------------
 
 # The fake's servers live for the module (starting one costs a tenth of a second); each test
-# gets a fresh fake app on them, so no knob, log or counter outlives its test.
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def upstream_server(model_dir: Path) -> Iterator[FakeServer]:
-    with FakeServer(FakeVllm(model_root=model_dir)) as server:
-        yield server
+# gets a fresh fake app on them, so no knob, log or counter outlives its test. The upstream is
+# the shared one (``model_dir``, ``server``, ``upstream`` in tests/support/fake_upstream.py).
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +55,9 @@ def evil_server() -> Iterator[FakeServer]:
 
 
 @pytest.fixture
-def upstream(upstream_server: FakeServer, model_dir: Path) -> FakeServer:
-    """The fake vLLM, fresh, running (a test before may have stopped it)."""
-    upstream_server.app = FakeVllm(model_root=model_dir)
-    return upstream_server.start()
-
-
-@pytest.fixture
 def evil(evil_server: FakeServer) -> FakeServer:
     """Another host on loopback: nothing sent to the proxy may ever reach it."""
-    evil_server.app = FakeVllm(model_root=None)
-    return evil_server
+    return serve_fresh(evil_server, FakeVllm(model_root=None))
 
 
 @pytest.fixture
