@@ -25,7 +25,6 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
 from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
 from harness.workload import SidecarProcess, burst, make_prompts, metric_value
@@ -33,19 +32,17 @@ from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Outcome, Reason
 from sidecar.config import Settings
-from sidecar.http.seams import Engine, Traffic
+from sidecar.http.seams import Engine
 from sidecar.http.workers import wire
-from sidecar.http.workers.owner import AdmissionOwner
 from sidecar.http.workers.remote import OwnerLink
 from sidecar.http.workers.supervisor import worker_count
 from sidecar.kv.geometry import UniformBlocks
-from sidecar.kv.ledger import Ledger, Reservation
+from sidecar.kv.ledger import Reservation
 from sidecar.kv.projection import project_counts
 from sidecar.kv.trajectory import Trajectory, future_peak
-from sidecar.observability.exporter import Metrics
 from tests.conftest import VllmInfo
 from tests.support.external import unless_external
-from tests.support.snapshots import snapshot
+from tests.support.owners import admission_owner
 from tests.support.vllm_idle import idle_preemptions
 from tests.support.wait import eventually
 
@@ -159,25 +156,7 @@ def test_worker_count_is_a_number_or_the_cpus_the_container_may_use() -> None:
 async def owner_and_links(count: int) -> AsyncIterator[tuple[AdmissionController, list[OwnerLink]]]:
     """An owner (budget 59 blocks of 128 tokens) and ``count`` workers' links to it, in this
     process, over the real Unix socket."""
-    admission = AdmissionController(Ledger(UniformBlocks(128)), max_queue_wait=30)
-    admission.on_snapshot(snapshot(time.monotonic))
-    metrics = Metrics(
-        CollectorRegistry(),
-        admission,
-        engine=lambda: None,
-        vllm_up=lambda: True,
-        ready=lambda: True,
-        scrape_errors=lambda: 0,
-        config_labels={},
-    )
-    owner = AdmissionOwner(
-        admission,
-        metrics,
-        settings=Settings(),
-        workers=count,
-        engine=lambda: None,
-        traffic=Traffic(),
-    )
+    admission, owner = admission_owner(workers=count)
     private = tempfile.mkdtemp(prefix="kv-sidecar-test-")
     path = os.path.join(private, "owner.sock")
     await owner.start(path)

@@ -8,23 +8,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pickle
-import time
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from sidecar.admission.ask import Ask
-from sidecar.admission.controller import AdmissionController
-from sidecar.config import Settings
-from sidecar.http.seams import Engine, Traffic
+from sidecar.http.seams import Engine
 from sidecar.http.workers import wire
-from sidecar.http.workers.owner import AdmissionOwner, WorkerLink
+from sidecar.http.workers.owner import WorkerLink
 from sidecar.http.workers.remote import PROGRESS_WITHIN_S, OwnerLink
 from sidecar.kv.geometry import UniformBlocks
-from sidecar.kv.ledger import Ledger, Reservation
+from sidecar.kv.ledger import Reservation
 from sidecar.kv.projection import project_counts
-from sidecar.observability.exporter import Metrics
-from tests.support.snapshots import snapshot
+from tests.support.owners import admission_owner
 
 
 class _Recorder:
@@ -149,24 +144,6 @@ def test_progress_is_sent_for_every_token_and_the_start_and_release_once() -> No
     assert recorder.sent[-3:] == [(8, 1.0), (8, 2.0), (8, 3.0)]
 
 
-def _owner() -> tuple[AdmissionController, AdmissionOwner]:
-    admission = AdmissionController(Ledger(UniformBlocks(128)), max_queue_wait=30)
-    admission.on_snapshot(snapshot(time.monotonic))
-    metrics = Metrics(
-        CollectorRegistry(),
-        admission,
-        engine=lambda: None,
-        vllm_up=lambda: True,
-        ready=lambda: True,
-        scrape_errors=lambda: 0,
-        config_labels={},
-    )
-    owner = AdmissionOwner(
-        admission, metrics, settings=Settings(), workers=1, engine=lambda: None, traffic=Traffic()
-    )
-    return admission, owner
-
-
 def test_the_owner_applies_a_batch_to_each_reservation_named_as_one_message_each_would() -> None:
     """One ``ProgressBatch`` advances every reservation it names in the ledger, as many
     separate advances would (the ledger's totals and trajectories alike); numbers the worker
@@ -177,7 +154,7 @@ def test_the_owner_applies_a_batch_to_each_reservation_named_as_one_message_each
     )
     results = []
     for batched in (True, False):
-        admission, owner = _owner()
+        admission, owner = admission_owner(workers=1)
         link = WorkerLink(channel=_Recorder())  # type: ignore[arg-type]
         owner.links.add(link)
         for number in (1, 2, 3):
