@@ -8,10 +8,10 @@ These were sampled from the free-running CPU vLLM (tests/test_admission_vllm.py;
 also runs there in tests/test_proxy_vllm.py; the overload ran in tests/test_autoscaling.py, removed
 once the held overload here asserted all it did), where a loaded machine left too few samples, or
 samples taken while an answer ended between vLLM's step and the sidecar's release. Here the
-engine runs a step only when the test grants it (``harness.sim_server``, manual mode): after each step the test
-waits until vLLM's /metrics show it, the clients have received what it produced and the
-sidecar has taken a scrape after that; the engine is still, so the sidecar's /state then sets
-its ledger against vLLM's usage at one instant, exactly.
+engine runs a step only when the test grants it (``harness.sim_server``, manual mode): after
+each step the test waits until vLLM's /metrics show it, the clients have received what it
+produced and the sidecar has taken a scrape after that; the engine is still, so the sidecar's
+/state then sets its ledger against vLLM's usage at one instant, exactly.
 
 One simulated server per module: Llama-3.1-8B's config on an H100 80 GB, 512 blocks of 16 tokens
 (``--num-gpu-blocks-override``), a 2,048-token context, prefix caching on. Answers' lengths ride
