@@ -46,7 +46,7 @@ from sidecar.admission.fit import (
 )
 from sidecar.admission.learner import LengthLearner
 from sidecar.admission.pools import Pool, Pools, pool_state
-from sidecar.admission.queue import Waiter, WaitQueue
+from sidecar.admission.queue import WaitQueue
 from sidecar.admission.retry import MIN_RETRY_AFTER
 from sidecar.admission.spill import Estimate, first_token, judge
 from sidecar.admission.waits import expected_wait, prefill_seconds, retry_in
@@ -57,10 +57,6 @@ from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import Projection
 
 log = logging.getLogger("sidecar.admission")
-
-
-#: the queue's waiter, by the name ``sidecar.admission.tuning`` imports it under
-_Waiter = Waiter
 
 
 class AdmissionController:

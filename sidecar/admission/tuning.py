@@ -38,8 +38,9 @@ from typing import Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from sidecar.admission.controller import AdmissionController, _Waiter
+from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Reason
+from sidecar.admission.queue import Waiter
 from sidecar.config import Policy, Settings, names_of
 
 #: the settings a running sidecar takes, in the order /state and the CLI show them
@@ -116,12 +117,12 @@ def current(admission: AdmissionController) -> dict[str, Value]:
     return {name: getattr(admission, name) for name in RUNTIME}
 
 
-def _waiting(admission: AdmissionController) -> list[_Waiter]:
+def _waiting(admission: AdmissionController) -> list[Waiter]:
     """The queued requests still waiting, oldest first (the controller's queue is FIFO)."""
     return [w for w in admission._queue if not w.future.done()]
 
 
-def _shed(waiter: _Waiter, reason: Reason, message: str) -> None:
+def _shed(waiter: Waiter, reason: Reason, message: str) -> None:
     """End a queued request's wait with a refusal (``AdmissionController.wait`` gives it)."""
     waiter.shed = (reason, message)
     waiter.future.cancel()
