@@ -68,6 +68,10 @@ PROMPT_COUNT_MISMATCH_MINUTES = 30
 #: that a burst of long prompts to tokenize does not, short enough to catch a sidecar starved
 #: by a CPU limit set too low.
 CPU_SATURATION_MINUTES = 10
+#: Seconds the oldest queued request of one priority may wait, while the pod admits others,
+#: before KVSidecarPriorityStarved: past a minute's worth of answers on a busy pool, and well
+#: inside the 300 s default --max-queue-wait, so that it fires before those requests time out.
+STARVED_WAIT_SECONDS = 120
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,25 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
             "{{ $labels.shape }} prompts with /tokenize until it restarts (exact, but a round "
             "trip per request): its tokenizer or chat template does not render that shape as "
             "vLLM does."
+        ),
+    ),
+    Alert(
+        name="KVSidecarPriorityStarved",
+        expr=(
+            "max by (namespace, pod, priority) (kv_sidecar_class_oldest_wait_seconds) > "
+            f"{STARVED_WAIT_SECONDS}\nand on (namespace, pod)\n"
+            "sum by (namespace, pod) ("
+            + rate(selector("kv_sidecar_class_requests_total", 'decision="admit"'), "5m")
+            + ") > 0"
+        ),
+        for_="5m",
+        severity="warning",
+        summary="Requests of one priority wait in the queue while others are admitted.",
+        description=(
+            f"{_WHERE}: the oldest queued request of priority {{{{ $labels.priority }}}} has "
+            f"waited over {STARVED_WAIT_SECONDS} s for 5 minutes while the sidecar admitted "
+            "other requests: better priorities (or other tenants' shares) take all the KV "
+            "that frees. Its requests time out with 429 queue_timeout at --max-queue-wait."
         ),
     ),
     Alert(

@@ -657,6 +657,58 @@ def _refusals_and_queue_row() -> list[PanelBuilder]:
     ]
 
 
+def _classes_row() -> list[PanelBuilder]:
+    """Priorities and tenants (README: How admission decides, Priorities and tenants)."""
+    classes = "kv_sidecar_class_requests_total"
+    return [
+        timeseries_panel(
+            "Queued by priority and tenant",
+            "Requests waiting in the sidecar's queue, by priority (lower is served first) and "
+            "tenant. The first 16 of each seen have their own label, later ones are 'other'.",
+            "short",
+            [
+                Query(
+                    f"sum by (priority, tenant) ({sidecar('kv_sidecar_class_queue_depth')})",
+                    "p{{priority}} {{tenant}}",
+                )
+            ],
+            width=8,
+            min_value=0,
+            stacked=True,
+        ),
+        timeseries_panel(
+            "Oldest queued request by priority",
+            "Seconds the longest-waiting queued request of each priority has waited. One that "
+            "keeps growing while others are admitted is a starving class "
+            "(KVSidecarPriorityStarved).",
+            "s",
+            [
+                Query(
+                    f"max by (priority) ({sidecar('kv_sidecar_class_oldest_wait_seconds')})",
+                    "p{{priority}}",
+                )
+            ],
+            width=8,
+            min_value=0,
+        ),
+        timeseries_panel(
+            "Admitted and refused by priority and tenant",
+            "Gate decisions per second, by priority, tenant and decision (the refusals' reasons "
+            "are in the 429 rate panel).",
+            "reqps",
+            [
+                Query(
+                    f"sum by (priority, tenant, decision) ({per_second(sidecar(classes))})",
+                    "p{{priority}} {{tenant}} {{decision}}",
+                )
+            ],
+            width=8,
+            min_value=0,
+            no_data="No generation requests",
+        ),
+    ]
+
+
 def _vllm_latency_row() -> list[PanelBuilder]:
     return [
         timeseries_panel(
@@ -807,6 +859,7 @@ ROWS: tuple[tuple[str, Callable[[], list[PanelBuilder]]], ...] = (
     ("Latency through the sidecar", _latency_row),
     ("Reservations and risk", _risk_row),
     ("Refusals and queue", _refusals_and_queue_row),
+    ("Priorities and tenants", _classes_row),
     ("vLLM latency and throughput", _vllm_latency_row),
     ("Sidecar health", _health_row),
 )

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.lengths_file import LengthsSaver
-from sidecar.config import Settings
+from sidecar.config import Settings, parse_tenant_shares
 from sidecar.counting import PromptCounter
 from sidecar.engine.discovery import EngineConfig
 from sidecar.engine.health import HealthMonitor
@@ -98,6 +98,9 @@ class Sidecar:
             ttft_target=settings.ttft_target,
             stale_after=settings.metrics_stale_after,
             stale_policy=settings.stale_policy,
+            tenant_shares=parse_tenant_shares(settings.tenant_shares),
+            tenant_max_share=settings.tenant_max_share,
+            tenant_max_queue=settings.tenant_max_queue,
         )
         self.lengths = (
             LengthsSaver(settings.lengths_file, self.admission.learner)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, NamedTuple, Self
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
@@ -50,6 +50,79 @@ class Policy(_Choice):
     queue = "queue"  # wait for room, up to --max-queue-wait
     observe = "observe"  # forward anyway and measure: a dry run
     spill = "spill"  # queue a short expected wait, 429 at once on a longer one (behind a gateway)
+
+
+class PriorityRule(NamedTuple):
+    """One of ``--priority-rules``: requests whose ``kind`` (model, tenant, or key: a prefix of
+    the API key's digest) matches ``pattern`` (a glob for model and tenant) get ``priority``."""
+
+    kind: Literal["model", "tenant", "key"]
+    pattern: str
+    priority: int
+
+
+_RULE_KINDS = ("model", "tenant", "key")
+
+
+def parse_priority_rules(text: str | None) -> tuple[PriorityRule, ...]:
+    """``--priority-rules``: comma-separated ``KIND:PATTERN=PRIORITY``, the first match wins.
+
+    >>> parse_priority_rules("model:batch-*=10, key:3fa9c1d2=-1")
+    (PriorityRule(kind='model', pattern='batch-*', priority=10), \
+PriorityRule(kind='key', pattern='3fa9c1d2', priority=-1))
+    >>> parse_priority_rules("model=10")
+    Traceback (most recent call last):
+    ...
+    ValueError: priority rule 'model=10' is not KIND:PATTERN=PRIORITY (KIND: model, tenant, key)
+    """
+    rules = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        head, eq, number = item.rpartition("=")
+        kind, colon, pattern = head.partition(":")
+        kind, pattern = kind.strip().lower(), pattern.strip()
+        if not (eq and colon and pattern and kind in _RULE_KINDS):
+            raise ValueError(
+                f"priority rule {item!r} is not KIND:PATTERN=PRIORITY (KIND: model, tenant, key)"
+            )
+        try:
+            priority = int(number.strip())
+        except ValueError:
+            said = f"priority rule {item!r}: {number.strip()!r} is not an integer"
+            raise ValueError(said) from None
+        if kind == "key" and not (
+            len(pattern) >= 8 and all(c in "0123456789abcdef" for c in pattern.lower())
+        ):
+            raise ValueError(
+                f"priority rule {item!r}: a key is 8-16 hex digits of the API key's SHA-256 "
+                "(printf %s KEY | sha256sum), never the key itself"
+            )
+        rules.append(PriorityRule(kind, pattern.lower() if kind == "key" else pattern, priority))  # type: ignore[arg-type]
+    return tuple(rules)
+
+
+def parse_tenant_shares(text: str | None) -> dict[str, float]:
+    """``--tenant-shares``: comma-separated ``TENANT=SHARE`` (a positive number).
+
+    >>> parse_tenant_shares("chat=3, etl=0.5")
+    {'chat': 3.0, 'etl': 0.5}
+    """
+    shares: dict[str, float] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        tenant, eq, number = item.rpartition("=")
+        try:
+            share = float(number)
+        except ValueError:
+            share = float("nan")
+        if not (eq and tenant.strip()) or not 0 < share < float("inf"):
+            raise ValueError(f"tenant share {item!r} is not TENANT=SHARE with a positive SHARE")
+        shares[tenant.strip()] = share
+    return shares
 
 
 class ReservationMode(_Choice):
@@ -153,7 +226,29 @@ class Settings(BaseSettings):
     another replica on 429 finds one with room; a shorter wait is queued (up to
     --max-queue-wait)."""
     max_queue_depth: int = Field(default=256, ge=0)
-    """Requests the queue holds; beyond it new ones get 429 queue_full."""
+    """Requests the queue holds; beyond it new ones get 429 queue_full, or, when the newcomer's
+    priority is better than a queued request's, that request gets 429 displaced in its place."""
+    priority_rules: str | None = None
+    """Priorities for requests that carry none (no priority body field, no
+    x-kv-sidecar-priority header): comma-separated KIND:PATTERN=PRIORITY, the first match wins;
+    KIND is model (a glob over the model name, LoRA adapters included), tenant (a glob) or key
+    (a prefix of the hex SHA-256 of the API key: printf %s KEY | sha256sum). Lower is served
+    first. Unset: priority 0."""
+    tenant_shares: str | None = None
+    """Inside a priority, tenants (the x-kv-sidecar-tenant header, else the API key's digest)
+    share the KV cache by weight: comma-separated TENANT=SHARE. Unset: every tenant 1."""
+    tenant_max_share: float = Field(default=1.0, gt=0, le=1)
+    """Share of the KV budget one tenant's reservations may hold; past it its requests wait (or
+    get 429 tenant_share under --policy reject) while others go ahead."""
+    tenant_max_queue: int | None = Field(default=None, ge=0)
+    """Requests one tenant may have queued; beyond it its new ones get 429 tenant_queue_full.
+    Unset: only --max-queue-depth."""
+    forward_priority: bool = False
+    """Write the priority the sidecar gave a request (from its header or --priority-rules) into
+    the body sent to vLLM, so that the scheduler of a vLLM started with --scheduling-policy
+    priority orders (and preempts) as the sidecar's queue does. vLLM's API docs say another
+    vLLM refuses a priority other than 0; vLLM 0.32's code does not check it (its FCFS queue
+    ignores the field). A priority the body carries is always forwarded as sent."""
     max_concurrent_counts: int | None = Field(default=None, gt=0)
     """Long prompts (over 2,000 characters) tokenized at once, each on a worker thread (default:
     the CPUs the sidecar may use, less one left to the event loop; from 1 to 4)."""
@@ -231,6 +326,18 @@ class Settings(BaseSettings):
     prompt tokens, projected blocks, queue wait, status and duration), for all requests
     (pass-through ones too), or off."""
 
+    @field_validator("priority_rules")
+    @classmethod
+    def _rules(cls, value: str | None) -> str | None:
+        parse_priority_rules(value)
+        return value
+
+    @field_validator("tenant_shares")
+    @classmethod
+    def _shares(cls, value: str | None) -> str | None:
+        parse_tenant_shares(value)
+        return value
+
     @field_validator("upstream")
     @classmethod
     def _upstream_url(cls, value: str) -> str:
@@ -306,9 +413,8 @@ def help_text(field: str) -> str:
     A field whose default is None says in its docstring what happens unset (``(default: ...)``
     or ``Unset: ...``); any other gets ``(default: VALUE)`` in the spelling a flag takes.
 
-    >>> help_text("max_queue_depth")
-    'Requests the queue holds; beyond it new ones get 429 queue_full. (default: 256) [env: \
-KV_SIDECAR_MAX_QUEUE_DEPTH]'
+    >>> help_text("headroom")
+    'Share of KV blocks never promised to requests. (default: 0.05) [env: KV_SIDECAR_HEADROOM]'
     """
     info = Settings.model_fields[field]
     text = " ".join((info.description or "").replace("``", "").split())

@@ -33,6 +33,8 @@ class Ask:
     pin: str | None = None  # the engine the client chose (its X-data-parallel-rank header)
     pinnable: bool = True  # its endpoint lets the sidecar choose the engine
     key: int | None = None  # the request's fingerprint (its body's digest): a retry is known
+    priority: int = 0  # lower first, as vLLM orders its ``priority`` field
+    tenant: str = ""  # whose fair share of the KV cache it draws on
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +69,12 @@ class KVState:
     prefill_tokens_per_step: float | None = None
     step_fixed_share: float | None = None
     batch_gain_steps_per_token: float | None = None
+    # per priority and tenant (``sidecar.admission.class_stats``: bounded labels)
+    #: (priority, tenant, decision) -> requests decided since the sidecar started
+    class_decisions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    #: priority -> (seconds waited in the queue, requests that waited), since it started
+    class_waited: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    #: (priority, tenant) -> requests queued now
+    class_queued: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    #: priority -> seconds its longest-waiting queued request has waited (queued ones only)
+    class_oldest_wait: Mapping[str, float] = field(default_factory=dict)

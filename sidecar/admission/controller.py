@@ -30,11 +30,13 @@ to HTTP.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
 from sidecar.admission.ask import Ask, KVState
+from sidecar.admission.class_stats import ClassStats
 from sidecar.admission.costs import EngineCosts
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.ends import Ends
@@ -49,6 +51,7 @@ from sidecar.admission.pools import Pool, Pools, pool_state
 from sidecar.admission.queue import WaitQueue
 from sidecar.admission.retry import MIN_RETRY_AFTER
 from sidecar.admission.spill import Estimate, first_token, judge
+from sidecar.admission.tenants import TenantUsage
 from sidecar.admission.waits import expected_wait, prefill_seconds, retry_in
 from sidecar.config import Policy, ReservationMode, StalePolicy
 from sidecar.engine.snapshot import EngineSnapshot
@@ -79,6 +82,9 @@ class AdmissionController:
         ttft_target: float | None = None,
         stale_after: float = 5.0,
         stale_policy: StalePolicy = StalePolicy.open,
+        tenant_shares: dict[str, float] | None = None,
+        tenant_max_share: float = 1.0,
+        tenant_max_queue: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = Policy(policy)
@@ -96,7 +102,16 @@ class AdmissionController:
         self._clock = clock
         self._pools = Pools(ledger, clock=clock)
         self.pools: list[Pool] = self._pools.live  # one per engine (re-pooled in place)
-        self._queue = WaitQueue(self._admit_head, clock=clock)
+        #: each tenant's use of the KV cache (the queue's fair share, ``--tenant-max-share``)
+        self.tenants = TenantUsage(
+            clock=clock,
+            shares=tenant_shares,
+            max_share=tenant_max_share,
+            budget=self.budget_blocks,
+        )
+        self.tenant_max_queue = tenant_max_queue  # requests one tenant may have queued
+        self._queue = WaitQueue(self._admit_head, clock=clock, tenants=self.tenants)
+        self.class_stats = ClassStats()  # decisions and waits per priority and tenant
         self._snapshot: EngineSnapshot | None = None
         self.draining = False
 
@@ -130,6 +145,11 @@ class AdmissionController:
     @property
     def external_blocks(self) -> int:
         return self._pools.external_blocks
+
+    @property
+    def queue(self) -> WaitQueue:
+        """The waiting requests (read by ``sidecar.admission.tuning`` and the exporter)."""
+        return self._queue
 
     @property
     def queued_peak_blocks(self) -> int:
@@ -249,6 +269,8 @@ class AdmissionController:
         request on several engines must fit in every pool); None when it fits nowhere."""
         stale = self.is_stale()
         self._held_by_latency = False
+        if self.tenants.capped(ask.tenant):
+            return None  # its tenant holds --tenant-max-share of the budget: others go first
         pools = self._eligible(ask, stale)
         if ask.pin is None and not ask.pinnable and len(pools) > 1:
             placed = [(p, self._candidate(p, ask)) for p in pools]
@@ -263,14 +285,17 @@ class AdmissionController:
 
     def _admit(
         self,
+        ask: Ask,
         pool: Pool,
         candidate: Reservation,
         shadows: list[tuple[Pool, Reservation]],
-        key: int | None = None,
     ) -> Reservation:
-        pool.retry.admitted(key)
+        pool.retry.admitted(ask.key)
         res = pool.ledger.add(candidate)
         res.engine = pool.engine
+        res.tenant = ask.tenant
+        res.tenant_blocks = res.reserved_blocks
+        self.tenants.hold(ask.tenant, res.tenant_blocks)
         for other, shadow in shadows:
             other.ledger.add(shadow).engine = other.engine
             res.shadows.append(shadow)
@@ -299,6 +324,12 @@ class AdmissionController:
 
     def try_admit(self, ask: Ask) -> Decision | None:
         """Decide at once; None means "queue it" (the caller then awaits :meth:`wait`)."""
+        decision = self._decide(ask)
+        if decision is not None:
+            self.class_stats.decided(ask.priority, ask.tenant, decision.outcome.value)
+        return decision
+
+    def _decide(self, ask: Ask) -> Decision | None:
         if self.draining:
             return self._draining_refusal()
         stale = self.is_stale()
@@ -311,15 +342,15 @@ class AdmissionController:
             )
         if self.policy is Policy.observe:
             # dry run: account for everything, gate nothing
-            placed = None if self._queue else self._place(ask)
+            placed = None if self._queue.has_ahead(ask) else self._place(ask)
             if placed is None:
                 pool = self._eligible(ask, stale)[0]
                 return Decision(
                     Outcome.ADMIT,
                     Reason.OBSERVED,
-                    reservation=self._admit(pool, self._candidate(pool, ask), []),
+                    reservation=self._admit(ask, pool, self._candidate(pool, ask), []),
                 )
-            return Decision(Outcome.ADMIT, Reason.FITS, reservation=self._admit(*placed, ask.key))
+            return Decision(Outcome.ADMIT, Reason.FITS, reservation=self._admit(ask, *placed))
         projection = ask.projection
         budgets = [budget_blocks(p.view.capacity_blocks, self.headroom) for p in self._open(ask)]
         budget = None if None in budgets else max(b for b in budgets if b is not None)
@@ -334,11 +365,19 @@ class AdmissionController:
                     + "; it can never run: lower max_tokens, n or the prompt"
                 ),
             )
-        if not self._queue and (placed := self._place(ask)) is not None:
+        ahead = self._queue.has_ahead(ask)
+        if not ahead and (placed := self._place(ask)) is not None:
             reason = Reason.STALE_OPEN if stale else Reason.FITS
-            return Decision(Outcome.ADMIT, reason, reservation=self._admit(*placed, ask.key))
+            return Decision(Outcome.ADMIT, reason, reservation=self._admit(ask, *placed))
         if self.policy is Policy.reject:
-            if self._held_by_latency and not self._queue:
+            if self.tenants.capped(ask.tenant):
+                return self._refuse(
+                    Reason.TENANT_SHARE,
+                    f"tenant {ask.tenant or '(none)'} holds its share of the KV cache "
+                    "(--tenant-max-share); retry later",
+                    ask,
+                )
+            if self._held_by_latency and not ahead:
                 return self._refuse(
                     Reason.LATENCY_TARGET,
                     "a larger batch would miss the decode-step target (--tpot-target); retry later",
@@ -357,12 +396,36 @@ class AdmissionController:
             )
             if not verdict.queue:
                 return self._refuse(Reason.TTFT_TARGET, verdict.message, ask)
+        limit = self.tenant_max_queue
+        if limit is not None and self._queue.depth(tenant=ask.tenant) >= limit:
+            return self._refuse(
+                Reason.TENANT_QUEUE_FULL,
+                f"tenant {ask.tenant or '(none)'} has {limit} requests queued "
+                "(--tenant-max-queue); retry later",
+                ask,
+            )
         if self._queue.full(self.max_queue_depth):
-            return self._refuse(Reason.QUEUE_FULL, "the admission queue is full; retry later", ask)
+            victim = self._queue.displaceable(ask)
+            if victim is None:
+                return self._refuse(
+                    Reason.QUEUE_FULL, "the admission queue is full; retry later", ask
+                )
+            self._queue.shed(
+                victim,
+                Reason.DISPLACED,
+                f"a request of priority {ask.priority} took this one's place in the full "
+                f"admission queue (priority {victim.ask.priority}); retry later",
+            )
         return None
 
     async def wait(self, ask: Ask, cancelled: asyncio.Event | None = None) -> Decision:
         """Queue a request until it fits, its wait runs out, or ``cancelled`` is set."""
+        decision = await self._wait(ask, cancelled)
+        self.class_stats.decided(ask.priority, ask.tenant, decision.outcome.value)
+        self.class_stats.queue_waited(ask.priority, decision.waited_seconds)
+        return decision
+
+    async def _wait(self, ask: Ask, cancelled: asyncio.Event | None) -> Decision:
         waiter = await self._queue.wait(ask, max_wait=self.max_queue_wait, cancelled=cancelled)
         waited = self._clock() - waiter.enqueued_at
         if waiter.future.done() and not waiter.future.cancelled():
@@ -391,7 +454,7 @@ class AdmissionController:
         if self.stale_policy is StalePolicy.closed and self.is_stale():
             return None  # wait for fresh engine data (or the deadline)
         placed = self._place(ask)
-        return None if placed is None else self._admit(*placed, ask.key)
+        return None if placed is None else self._admit(ask, *placed)
 
     def started(self, res: Reservation) -> None:
         """vLLM holds the request's prompt now (its first token came, or it was handed over)."""
@@ -416,6 +479,7 @@ class AdmissionController:
             per_sequence = completion_tokens // max(res.projection.sequences, 1)
             at_max = per_sequence >= min(res.projection.max_tokens, default=0)
             self.learner.observe(res.klass, per_sequence, at_max=at_max)
+        self.tenants.free(res.tenant, res.tenant_blocks)
         self._pools.release(res)
         self._queue.pump()
 
@@ -441,9 +505,12 @@ class AdmissionController:
         )
 
     def _behind(self, pool: Pool, ask: Ask) -> tuple[Reservation, list[Reservation]]:
-        """The request's candidate in ``pool``, and those of the other requests queued."""
+        """The request's candidate in ``pool``, and those of the queued requests that would be
+        tried before it were it queued now (``WaitQueue.ahead_of``: with one priority and one
+        tenant, every other)."""
         candidate = self._candidate(pool, ask)
-        return candidate, [self._candidate(pool, w.ask) for w in self._queue if w.ask is not ask]
+        ahead = self._queue.ahead_of(ask)
+        return candidate, [self._candidate(pool, w.ask) for w in ahead]
 
     def expected_waits(self, ask: Ask) -> list[Estimate]:
         """Per pool the request may run in, its expected wait if queued now
@@ -477,8 +544,16 @@ class AdmissionController:
         return predicted, actual, self.capacity_blocks
 
     def state(self) -> KVState:
-        """The figures summed over the pools."""
-        return self._pools.state(
+        """The figures summed over the pools, and those per priority and tenant."""
+        stats, now = self.class_stats, self._clock()
+        queued: dict[tuple[str, str], int] = {}
+        oldest: dict[str, float] = {}
+        for waiter in self._queue.waiting():
+            p = stats.priority_label(waiter.ask.priority)
+            key = (p, stats.tenant_label(waiter.ask.tenant))
+            queued[key] = queued.get(key, 0) + 1
+            oldest[p] = max(oldest.get(p, 0.0), now - waiter.enqueued_at)
+        kv = self._pools.state(
             self._snapshot,
             stale=self.is_stale(),
             worst_case=self.reservation_mode is ReservationMode.worst_case,
@@ -486,6 +561,13 @@ class AdmissionController:
             queued_peak_blocks=self._queue.peak_blocks,
             queue_depth=len(self._queue),
             reserving=self.reserving,
+        )
+        return dataclasses.replace(
+            kv,
+            class_decisions=dict(stats.decisions),
+            class_waited=dict(stats.waited),
+            class_queued=queued,
+            class_oldest_wait=oldest,
         )
 
     def fail_queue(self) -> None:

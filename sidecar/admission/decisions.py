@@ -42,6 +42,9 @@ class Reason(StrEnum):
     TTFT_TARGET = "ttft_target"  # its first token expected later than --ttft-target
     SPILLED = "spilled"  # --policy spill: the expected wait here is over --spill-wait
     QUEUE_FULL = "queue_full"
+    TENANT_QUEUE_FULL = "tenant_queue_full"  # its tenant has --tenant-max-queue queued
+    TENANT_SHARE = "tenant_share"  # policy reject: its tenant holds --tenant-max-share
+    DISPLACED = "displaced"  # queued, then refused to make room for a higher priority
     QUEUE_TIMEOUT = "queue_timeout"
     TOO_LARGE = "too_large"
     DRAINING = "draining"
@@ -72,6 +75,9 @@ REFUSALS: dict[Reason, Refusal] = {
     Reason.TTFT_TARGET: Refusal(429, "rate_limit_error", "ttft_target"),
     Reason.SPILLED: Refusal(429, "rate_limit_error", "spilled"),
     Reason.QUEUE_FULL: Refusal(429, "rate_limit_error", "queue_full"),
+    Reason.TENANT_QUEUE_FULL: Refusal(429, "rate_limit_error", "tenant_queue_full"),
+    Reason.TENANT_SHARE: Refusal(429, "rate_limit_error", "tenant_share"),
+    Reason.DISPLACED: Refusal(429, "rate_limit_error", "displaced"),
     Reason.QUEUE_TIMEOUT: Refusal(429, "rate_limit_error", "queue_timeout"),
     Reason.TOO_LARGE: Refusal(413, "invalid_request_error", "kv_budget_exceeded"),
     Reason.DRAINING: Refusal(503, "service_unavailable_error", "draining"),

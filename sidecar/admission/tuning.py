@@ -7,8 +7,9 @@ invalidate: ``headroom``, ``max_queue_depth``, ``max_queue_wait``, ``spill_wait`
 controller and re-judges the requests already queued where that is what the setting means:
 
 - ``headroom``: the head of the queue is tried again (a smaller headroom may let it in now);
-- ``max_queue_depth`` lowered below the queue: the newest requests beyond it leave with 429
-  ``queue_full``;
+- ``max_queue_depth`` lowered below the queue: the requests beyond it leave with 429
+  ``queue_full``, the first to shed first (``WaitQueue.shed_order``: the worst priority, the
+  tenant most over its share, the newest);
 - ``max_queue_wait``: every queued request's wait ends at its arrival plus the new value (at once
   for one that has waited longer, with 429 ``queue_timeout``);
 - ``policy`` ``reject``: the queued requests leave with 429 ``kv_cache_full``, as a request that
@@ -40,7 +41,6 @@ from pydantic import TypeAdapter, ValidationError
 
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Reason
-from sidecar.admission.queue import Waiter
 from sidecar.config import Policy, Settings, names_of
 
 #: the settings a running sidecar takes, in the order /state and the CLI show them
@@ -117,17 +117,6 @@ def current(admission: AdmissionController) -> dict[str, Value]:
     return {name: getattr(admission, name) for name in RUNTIME}
 
 
-def _waiting(admission: AdmissionController) -> list[Waiter]:
-    """The queued requests still waiting, oldest first (the controller's queue is FIFO)."""
-    return [w for w in admission._queue if not w.future.done()]
-
-
-def _shed(waiter: Waiter, reason: Reason, message: str) -> None:
-    """End a queued request's wait with a refusal (``AdmissionController.wait`` gives it)."""
-    waiter.shed = (reason, message)
-    waiter.future.cancel()
-
-
 def apply(admission: AdmissionController, values: Mapping[str, Value]) -> list[Change]:
     """Set ``values`` (from :func:`validate`) and re-judge the queue; the changes made (a value
     equal to the current one is no change). Runs on the controller's event loop."""
@@ -136,17 +125,18 @@ def apply(admission: AdmissionController, values: Mapping[str, Value]) -> list[C
     for change in changes:
         setattr(admission, change.name, change.new)
     changed = {change.name for change in changes}
-    waiting = _waiting(admission)
+    queue = admission.queue
     if "max_queue_depth" in changed:
         depth = admission.max_queue_depth
-        for waiter in waiting[depth:]:
-            _shed(
+        shed_first = queue.shed_order()
+        for waiter in shed_first[: max(0, len(shed_first) - depth)]:
+            queue.shed(
                 waiter,
                 Reason.QUEUE_FULL,
                 f"the admission queue was shortened to {depth} (--max-queue-depth changed at "
                 "runtime); retry later",
             )
-        waiting = waiting[:depth]
+    waiting = queue.waiting()
     if "max_queue_wait" in changed:
         loop, now = asyncio.get_running_loop(), admission._clock()
         for waiter in waiting:
@@ -155,7 +145,7 @@ def apply(admission: AdmissionController, values: Mapping[str, Value]) -> list[C
             waiter.timer = loop.call_later(left, waiter.future.cancel)
     if "policy" in changed and admission.policy is Policy.reject:
         for waiter in waiting:
-            _shed(
+            queue.shed(
                 waiter,
                 Reason.KV_CACHE_FULL,
                 "the KV cache is full and the policy is now reject (changed at runtime); "
@@ -172,5 +162,5 @@ def apply(admission: AdmissionController, values: Mapping[str, Value]) -> list[C
 
 def oldest_wait(admission: AdmissionController) -> float | None:
     """Seconds the longest-waiting queued request has waited (None: the queue is empty)."""
-    waiting = _waiting(admission)
-    return admission._clock() - waiting[0].enqueued_at if waiting else None
+    oldest = admission.queue.oldest()
+    return admission._clock() - oldest.enqueued_at if oldest is not None else None

@@ -17,17 +17,25 @@ as a refusal (``decision="reject"``) besides its admission.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import httpx
 
 from sidecar.admission.ask import Ask
+from sidecar.admission.classes import (
+    PRIORITY_HEADER,
+    TENANT_HEADER,
+    api_key_of,
+    classify,
+)
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.learner import request_class
 from sidecar.admission.retry import fingerprint
+from sidecar.config import PriorityRule
 from sidecar.counting import GenerationRequest, counting_view, parse_generation
 from sidecar.engine.queue_caps import (
     ENGINE_QUEUE_RETRY_AFTER,
@@ -93,6 +101,8 @@ class GenerationPath:
         max_body_bytes: int,
         access_log: bool = True,
         tracing: Tracing | None = None,
+        priority_rules: Sequence[PriorityRule] = (),
+        forward_priority: bool = False,
     ) -> None:
         self.gate = gate
         self.engine = engine
@@ -101,6 +111,8 @@ class GenerationPath:
         self.max_body_bytes = max_body_bytes
         self.access_log = access_log  # one line per request on the sidecar.access logger
         self.tracing = tracing  # None: no spans
+        self.priority_rules = tuple(priority_rules)  # --priority-rules
+        self.forward_priority = forward_priority  # --forward-priority
 
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, raw_path: bytes, endpoint: str
@@ -143,6 +155,13 @@ class GenerationPath:
             if raw is None:
                 return  # the client left before sending its request
             request = parse_generation(endpoint, raw)  # type: ignore[arg-type]
+            priority, tenant = classify(
+                request.body,
+                priority_header=_header(scope, PRIORITY_HEADER),
+                tenant_header=_header(scope, TENANT_HEADER),
+                api_key=api_key_of(_header(scope, b"authorization"), _header(scope, b"x-api-key")),
+                rules=self.priority_rules,
+            )
         except BadRequest as exc:
             self.metrics.refused(Reason.BAD_REQUEST)
             _refused(record, Reason.BAD_REQUEST)
@@ -218,7 +237,12 @@ class GenerationPath:
                 pin=rank if rank.isdigit() else None,
                 pinnable=endpoint in _PINNABLE,
                 key=fingerprint(raw),  # a retry sends the same body: its slot is its own
+                priority=priority,
+                tenant=tenant,
             )
+            if self.forward_priority and priority and "priority" not in request.body:
+                # vLLM runs --scheduling-policy priority: its scheduler orders as the queue did
+                raw = json.dumps({**request.body, "priority": priority}).encode()
             record.admit_start = time.perf_counter()
             decision = self.gate.try_admit(ask)
             if decision is None:  # queue it (with relay workers: ask the owner)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from sidecar.config import AccessLog, Settings
+from sidecar.config import AccessLog, Settings, parse_priority_rules
 from sidecar.http.clients import upstream_timeout
 from sidecar.http.generation import GenerationPath
 from sidecar.http.proxy import Proxy
@@ -42,6 +42,8 @@ def build_proxy(
             max_body_bytes=settings.max_body_bytes,
             access_log=settings.access_log is not AccessLog.off,
             tracing=tracing,
+            priority_rules=parse_priority_rules(settings.priority_rules),
+            forward_priority=settings.forward_priority,
         ),
         traffic=traffic,
         metrics=metrics,

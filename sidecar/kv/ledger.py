@@ -62,6 +62,8 @@ class Reservation:
     estimated: float = 0.0  # answer showed and its share of vLLM's generated tokens
     released: bool = field(default=False)
     engine: str = ""  # the data-parallel engine (its pool) the request was admitted on
+    tenant: str = ""  # whose fair share it draws on (``sidecar.admission.tenants``)
+    tenant_blocks: int = 0  # the blocks held for it in its tenant's use, until it ends
     overran: bool = False  # it has generated its reserved end: its trajectory may pass its peak
     #: the same request reserved in the other engines' pools, when it cannot be sent to one
     #: engine (vLLM's coordinator then picks, and it may pick any)

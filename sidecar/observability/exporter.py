@@ -43,6 +43,7 @@ from sidecar.engine.discovery import EngineConfig
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.engine.versions import MIRRORED, supported_text
 from sidecar.kv.projection import Projection
+from sidecar.observability.classes import class_families
 from sidecar.observability.cpu import CpuLimitCollector
 from sidecar.observability.loop_lag import LAG_BUCKETS
 from sidecar.observability.process_tree import ProcessTreeCollector
@@ -548,6 +549,7 @@ class StateCollector(Collector):
             "requests_in_flight", "Admitted generation requests not yet finished.", state.in_flight
         )
         yield _gauge("queue_depth", "Requests waiting in the admission queue.", state.queue_depth)
+        yield from class_families(state)
         yield expected_output_tokens(state)
         yield from cost_families(state)
         yield _gauge(
