@@ -1,25 +1,31 @@
 """``--policy spill`` in front of the real vLLM (CPU build, the session server): a burst over the
 KV budget sent at once. What fits is forwarded; every other request would wait for an answer of
-700 tokens to end (hundreds of decode steps, or, before vLLM has started the ones admitted, a
-wait the trajectories cannot bound), so each is refused at once with 429 ``spilled`` and both
-retry headers, and none is queued; vLLM never preempts.
+700 tokens to end, so each is refused at once with 429 ``spilled`` and both retry headers, and
+none is queued; vLLM never preempts.
 
-Nothing here samples the free-running engine: the decisions are made within the first moments
-of the burst, when the shortest wait is an answer's whole run (at least 700 steps: seconds on any
-machine this runs on, against ``--spill-wait 2``). A short wait that queues is asserted on the
-stepped simulated engine (tests/test_spill_sim.py), where it can be made exactly.
+The burst arrives with vLLM's engine stopped (``tests/support/stepped.frozen_engine``): the
+requests admitted have not started, so the wait for room behind them is one the trajectories
+cannot bound, and is refused, whatever the host's speed. Sent to the free-running engine, the
+decisions depended on it: once the admitted answers had started, the wait was about 700 decode
+steps times the learned step time, which on a host decoding this model at 2.5 ms a step is
+under the 2 s ``--spill-wait``, and the stragglers of the burst would be queued. A known wait,
+short (queued) and long (refused), is asserted on the stepped simulated engine
+(tests/test_spill_sim.py), where it can be made exactly.
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from harness.workload import SidecarProcess, burst, make_prompts
 from tests.conftest import VllmInfo
 from tests.support.external import unless_external
+from tests.support.stepped import frozen_engine
 from tests.support.vllm_idle import idle_preemptions
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -50,17 +56,32 @@ def test_a_burst_beyond_the_budget_is_spilled_at_once_not_queued(vllm: VllmInfo)
     prompts = make_prompts(vllm.model_dir, REQUESTS, PROMPT_TOKENS, seed=41)
     before = idle_preemptions(vllm.url)
     with SidecarProcess(vllm.url, "--policy", "spill", "--spill-wait", "2") as sc:
-        results = asyncio.run(burst(sc.url, prompts, max_tokens=MAX_TOKENS, model=vllm.served_name))
-        decided = counts(sc)
+        fits = sc.state()["budget_blocks"] // each
+        assert 1 <= fits < REQUESTS, sc.state()
+        with ThreadPoolExecutor(1) as pool:
+            with frozen_engine(vllm):
+                sent = pool.submit(
+                    asyncio.run,
+                    burst(sc.url, prompts, max_tokens=MAX_TOKENS, model=vllm.served_name),
+                )
+                # every request decided while no token can be made
+                wait_for(
+                    lambda: sum(counts(sc).values()) == REQUESTS,
+                    f"the sidecar's decisions on all {REQUESTS} requests",
+                    within=60,
+                )
+                decided = {k: v for k, v in counts(sc).items() if v}
+                state = sc.state()
+            results = sent.result(timeout=600)
+    assert state["in_flight"] == fits and state["queue_depth"] == 0, state
+    assert decided == {"admit/fits": fits, "reject/spilled": REQUESTS - fits}, decided
     served = [r for r in results if r.status == 200]
     refused = [r for r in results if r.status == 429]
-    assert len(served) + len(refused) == REQUESTS, [(r.status, r.error) for r in results]
-    assert 1 <= len(served) < REQUESTS
+    assert len(served) == fits and len(refused) == REQUESTS - fits, [
+        (r.status, r.error) for r in results
+    ]
     assert all(r.completion_tokens == MAX_TOKENS for r in served)
     for r in refused:
         assert int(r.headers["retry-after"]) >= 1
         assert int(r.headers["retry-after-ms"]) >= 1000
-    assert decided.get("reject/spilled") == len(refused)
-    assert decided.get("admit/queued", 0) == 0  # none was kept waiting
-    assert decided.get("admit/fits") == len(served)
     assert idle_preemptions(vllm.url) == before

@@ -2,13 +2,17 @@
 vLLM (``harness.sim_server``, manual mode) share. :class:`Clients` sends requests from a thread,
 so that a test can grant engine steps while they wait; :class:`Stepper` grants steps and waits
 until vLLM, the clients and the sidecar's scrape all show them; :func:`held` holds the engine;
-:func:`admitted` waits until the sidecar has decided a number of requests."""
+:func:`admitted` waits until the sidecar has decided a number of requests. For the real CPU vLLM
+(the session server), :func:`frozen_engine` stops its engine so that a test can read the
+sidecar's decisions on a burst before a single token is made, however fast the host decodes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +22,9 @@ from typing import Any
 import httpx
 
 from harness.sim_server import SimServer
+from harness.vllm_info import VllmInfo
 from harness.workload import SidecarProcess
+from tests.support.external import unless_external
 from tests.support.sim import cache_config, metrics
 from tests.support.wait import wait_for
 
@@ -239,3 +245,26 @@ def admitted(sc: SidecarProcess, count: int) -> dict[str, Any]:
 
     wait_for(decided, f"{count} requests decided", within=60)
     return state
+
+
+# --- the real vLLM's engine stopped -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def frozen_engine(vllm: VllmInfo) -> Iterator[None]:
+    """The harness's real vLLM with its engine core and worker stopped for the block (SIGSTOP to
+    its process group, then SIGCONT to the API server alone, the group's leader; SIGCONT to the
+    group at the end): the API server takes requests, renders their prompts and answers
+    ``/metrics``, and no step runs, so no request vLLM was sent can start or end until the block
+    ends. What a sidecar decides on a burst sent meanwhile is what it decides on the burst
+    arriving at once, on any host. The test must not wait inside the block on anything that
+    needs a token."""
+    proc = vllm.server.proc if vllm.server is not None else None
+    if proc is None:
+        unless_external("stops its vLLM's engine with SIGSTOP: not an external vLLM")
+    os.killpg(proc.pid, signal.SIGSTOP)
+    os.kill(proc.pid, signal.SIGCONT)
+    try:
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
