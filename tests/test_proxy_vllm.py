@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import httpx
 import openai
 import pytest
 
 from harness.workload import SidecarProcess, burst, make_prompts, metric_value
 from tests.conftest import VllmInfo
 from tests.support.external import unless_external
+from tests.support.stepped import frozen_engine
 from tests.support.vllm_idle import idle_preemptions
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -63,36 +64,6 @@ def prompts(vllm: VllmInfo, shape: Shape) -> list[str]:
     return make_prompts(vllm.model_dir, shape.requests, shape.prompt_tokens, seed=7)
 
 
-class Sampler:
-    """Polls the sidecar's /state while a burst runs: predicted vs actual at each scrape."""
-
-    def __init__(self, sidecar: SidecarProcess) -> None:
-        self.sidecar = sidecar
-        self.samples: list[dict[str, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sample = self.sidecar.state()
-                text = self.sidecar.metrics()
-                sample["oom_risk_ratio"] = metric_value(text, "kv_sidecar_oom_risk_ratio")
-                sample["error_bytes"] = metric_value(text, "kv_sidecar_kv_prediction_error_bytes")
-                self.samples.append(sample)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 #: Every answer is in: the sidecar's release runs right after its last byte. Generous, for a
 #: loaded machine; what is waited for is in the failure message.
 LEDGER_EMPTY_WITHIN = 30.0
@@ -109,6 +80,15 @@ def assert_ledger_empty(sidecar: SidecarProcess) -> None:
             f"had ended: {state}"
         )
         time.sleep(0.1)
+
+
+def decided(sidecar: SidecarProcess) -> float:
+    """Requests the sidecar has decided on (``kv_sidecar_requests_total`` over every label)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in sidecar.metrics().splitlines()
+        if line.startswith("kv_sidecar_requests_total{")
+    )
 
 
 def test_direct_burst_preempts(vllm: VllmInfo, shape: Shape, prompts: list[str]) -> None:
@@ -156,36 +136,70 @@ def test_observe_policy_sees_the_oom_risk_of_the_direct_burst(
     vllm: VllmInfo, shape: Shape, prompts: list[str]
 ) -> None:
     """A dry run (--policy observe) forwards the burst as if direct: vLLM preempts, and the
-    sidecar's OOM risk says so before it happens."""
+    sidecar's OOM risk says so before it happens. The risk is read with vLLM's engine stopped
+    (``frozen_engine``) once the whole burst is in flight, before any token is made: every
+    request's peak over the pool, exactly (20 x 8 blocks over 63 on the session vLLM: 2.54).
+    (Sampled from the free-running engine, it flaked: the sidecar's endpoints answered in up to
+    3 s while vLLM decoded the burst on two busy cores, and a run here caught no sample with
+    more than one request in flight, of two taken.)"""
     before = idle_preemptions(vllm.url)
+    blocks_each = vllm.blocks_for(shape.prompt_tokens + shape.max_tokens)
     with SidecarProcess(vllm.url, "--policy", "observe") as sc:
-        with Sampler(sc) as sampler:
-            results = asyncio.run(
-                burst(sc.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
-            )
-        observed = metric_value(
-            sc.metrics(), "kv_sidecar_requests_total", decision="admit", reason="observed"
-        )
+        with ThreadPoolExecutor(1) as pool:
+            with frozen_engine(vllm):
+                sent = pool.submit(
+                    asyncio.run,
+                    burst(sc.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name),
+                )
+                wait_for(
+                    lambda: sc.state()["in_flight"] == shape.requests,
+                    f"all {shape.requests} requests in flight",
+                    within=60,
+                )
+                state = sc.state()
+                risk = metric_value(sc.metrics(), "kv_sidecar_oom_risk_ratio")
+            results = sent.result(timeout=600)
+        text = sc.metrics()
         assert_ledger_empty(sc)
     assert [r.status for r in results] == [200] * shape.requests
-    risks = [s["oom_risk_ratio"] for s in sampler.samples if s["oom_risk_ratio"] is not None]
-    assert max(risks) > 1.0
-    assert observed and observed > 0
+    assert all(r.completion_tokens == shape.max_tokens for r in results)
+    assert risk == pytest.approx(shape.requests * blocks_each / state["capacity_blocks"]), state
+    assert risk is not None and risk > 1.0
+    # what the budget holds counted as fitting, the rest as what queue or reject would hold back
+    fits = state["budget_blocks"] // blocks_each
+    admitted = {
+        reason: metric_value(text, "kv_sidecar_requests_total", decision="admit", reason=reason)
+        for reason in ("fits", "observed")
+    }
+    assert admitted == {"fits": fits, "observed": shape.requests - fits}, admitted
     assert idle_preemptions(vllm.url) > before
 
 
 def test_reject_policy_refuses_with_retry_headers(
     vllm: VllmInfo, shape: Shape, prompts: list[str]
 ) -> None:
+    """The burst through --policy reject, arriving with vLLM's engine stopped: exactly what the
+    budget holds is admitted and answered in full, every other request is refused with both
+    retry headers, and vLLM preempts nothing."""
     before = idle_preemptions(vllm.url)
+    blocks_each = vllm.blocks_for(shape.prompt_tokens + shape.max_tokens)
     with SidecarProcess(vllm.url, "--policy", "reject") as sc:
-        results = asyncio.run(
-            burst(sc.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
-        )
+        fits = sc.state()["budget_blocks"] // blocks_each
+        with ThreadPoolExecutor(1) as pool:
+            with frozen_engine(vllm):
+                sent = pool.submit(
+                    asyncio.run,
+                    burst(sc.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name),
+                )
+                wait_for(
+                    lambda: decided(sc) == shape.requests,
+                    f"the sidecar's decisions on all {shape.requests} requests",
+                    within=60,
+                )
+            results = sent.result(timeout=600)
         assert_ledger_empty(sc)
-    statuses = sorted(r.status for r in results)
-    assert set(statuses) == {200, 429}
-    assert statuses.count(200) >= 5
+    statuses = [r.status for r in results]
+    assert statuses.count(200) == fits and statuses.count(429) == shape.requests - fits, statuses
     for r in results:
         if r.status == 429:
             assert int(r.headers["retry-after"]) >= 1
