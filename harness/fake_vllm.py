@@ -3,8 +3,9 @@
 The formats and rules are :mod:`harness.vllm_formats`' (copied from a real vLLM 0.32, CPU build,
 in ``tests/fixtures/vllm-0.32.0-cpu/``): ``/v1/models``, ``/metrics`` (the captured text with the
 values the sidecar reads swapped in, plus ``vllm:lora_requests_info`` as vLLM's source writes it
-when LoRA is on: ``max_loras``, :meth:`FakeVllm.record_lora`), ``/tokenize``, and completions and
-chat completions, plain JSON or SSE. Token counts are a deterministic function of the text
+when LoRA is on: ``max_loras``, :meth:`FakeVllm.record_lora`), ``/tokenize``, the render
+endpoints (403 unless ``scale_out``, vLLM's ``--enable-scale-out``), and completions and chat
+completions, plain JSON or SSE. Token counts are a deterministic function of the text
 (:func:`count_prompt`, the ``prompt_counter`` knob), not a real tokenizer. Extra routes exercise
 the proxy's pass-through: ``/echo/...``, ``/slow``, ``/status/{code}`` and ``/gzip``. ``/version``
 answers as vLLM 0.32 does (the ``version_answer`` knob: another version, garbage, or none at all),
@@ -50,6 +51,8 @@ from harness.vllm_formats import (
     GENERATION_PATHS,
     METRICS_CONTENT_TYPE,
     METRICS_TEXT,
+    RENDER_DISABLED_ERROR,
+    RENDER_PATHS,
     SSE_DONE,
     completion_answer,
     count_prompt,
@@ -57,6 +60,7 @@ from harness.vllm_formats import (
     generation_default,
     max_tokens_for,
     models_list,
+    render,
     sse_event,
     stream_head,
     stream_opening,
@@ -197,6 +201,8 @@ class FakeVllm:
             "max_num_queued_tokens": 0.0,
         }
         self.queued_sequences = 0  # sequences of the generations in flight (the cap's count)
+        #: vLLM's --enable-scale-out: the render endpoints answer (else 403, vLLM's default)
+        self.scale_out = False
         # what it saw
         self.requests: list[Recorded] = []
         self.in_flight = 0  # generations (and /slow streams) running now
@@ -219,7 +225,7 @@ class FakeVllm:
 
     def non_probe_requests(self) -> list[Recorded]:
         """Requests other than the sidecar's own scrapes, discovery and token counting."""
-        probes = ("/metrics", "/v1/models", "/tokenize", "/version")
+        probes = ("/metrics", "/v1/models", "/tokenize", "/version", *RENDER_PATHS)
 
         def probe(r: Recorded) -> bool:
             # the sidecar's /health checks carry no user-agent (it sends no default headers)
@@ -317,6 +323,8 @@ class FakeVllm:
             await respond(send, *self.version_answer)
         elif path == "/tokenize" and method == "POST":
             await self._tokenize(send, rec)
+        elif path in RENDER_PATHS and method == "POST":
+            await respond(send, *self.render(path, rec.body))
         elif path in GENERATION_PATHS and method == "POST":
             await self._generate(receive, send, rec)
         elif path.startswith("/echo"):
@@ -366,6 +374,20 @@ class FakeVllm:
         except (ValueError, TypeError, AttributeError) as exc:
             return 400, vllm_error(f"bad /tokenize body: {exc}")
         return 200, dumps(tokenize_answer(count, self.max_model_len))
+
+    def render(self, path: str, raw: bytes) -> tuple[int, bytes]:
+        """``POST`` of ``raw`` to a render endpoint (:func:`~harness.vllm_formats.render`):
+        403 unless :attr:`scale_out`, as vLLM without ``--enable-scale-out``."""
+        if not self.scale_out:
+            return 403, RENDER_DISABLED_ERROR
+        return render(
+            path,
+            raw,
+            served_name=self.served_name,
+            max_model_len=self.max_model_len,
+            prompt_counter=self.prompt_counter,
+            max_tokens_for=self.max_tokens_for,
+        )
 
     async def _tokenize(self, send: Send, rec: Recorded) -> None:
         status, body = self.tokenize(rec.body)

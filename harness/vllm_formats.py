@@ -16,7 +16,9 @@ vLLM's source, named at each function. One definition for both servers of the fa
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +262,183 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+# --- the render endpoints (vLLM 0.32, entrypoints/scale_out/render/) ---------------------------
+
+#: The render endpoint of each generation endpoint.
+RENDER_PATHS = {
+    "/v1/completions/render": "completions",
+    "/v1/chat/completions/render": "chat",
+    "/v1/responses/render": "responses",
+    "/v1/messages/render": "messages",
+}
+#: What each of them answers without ``--enable-scale-out`` (scale_out/factories.py:
+#: ``create_error_response(message, "PermissionDeniedError", HTTPStatus.FORBIDDEN)``).
+RENDER_DISABLED_ERROR = vllm_error(
+    "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.",
+    403,
+    "PermissionDeniedError",
+)
+#: ``SamplingParams.max_tokens``' default, which its msgspec JSON (``omit_defaults``) leaves out.
+SAMPLING_DEFAULT_MAX_TOKENS = 16
+
+
+def render_messages(endpoint: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages vLLM renders for a chat, Responses or Anthropic messages body (the
+    fake's shapes: a top-level ``system`` or ``instructions`` first, Responses input items as
+    messages, a string input as one user message)."""
+    if endpoint == "chat":
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise TypeError("messages must be a list")
+        return messages
+    head = body.get("system") if endpoint == "messages" else body.get("instructions")
+    system = [{"role": "system", "content": head}] if head is not None else []
+    if endpoint == "messages":
+        return [*system, *body["messages"]]
+    items = body["input"]
+    if isinstance(items, str):
+        return [*system, {"role": "user", "content": items}]
+    return [*system, *(i for i in items if isinstance(i, dict) and "content" in i)]
+
+
+def render_keep(endpoint: str, body: dict[str, Any], max_model_len: int) -> int | None:
+    """How many prompt tokens vLLM keeps (``TokenizeParams``): ``truncate_prompt_tokens`` for
+    completions and chat, ``-1`` for Responses unless ``truncation`` is ``"disabled"``; ``-1``
+    keeps ``max_model_len - 1`` when output was asked for, else ``max_model_len``."""
+    if endpoint == "responses":
+        keep = -1 if body.get("truncation", "disabled") != "disabled" else None
+        asked = body.get("max_output_tokens") or 0
+    elif endpoint == "messages":
+        return None
+    else:
+        keep = body.get("truncate_prompt_tokens")
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        if endpoint == "completions" and body.get("max_tokens") is None:
+            asked = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if keep is None or keep >= 0:
+        return keep
+    return max_model_len if asked == 0 else max_model_len - 1
+
+
+def render_answer(
+    request_id: str,
+    ids: list[int],
+    *,
+    body: dict[str, Any],
+    max_tokens: int,
+) -> dict[str, Any]:
+    """One ``GenerateRequest`` as vLLM's render endpoint answers it (fields and order as a real
+    vLLM 0.32 CPU build answered; ``sampling_params`` at the defaults of an untouched request)."""
+    params: dict[str, Any] = {
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "stop": [],
+        "stop_token_ids": [],
+        **({} if max_tokens == SAMPLING_DEFAULT_MAX_TOKENS else {"max_tokens": max_tokens}),
+        "output_kind": 2,
+        "skip_clone": True,
+        "bad_words": [],
+        "skip_reading_prefix_cache": False,
+    }
+    stream = bool(body.get("stream"))
+    return {
+        "request_id": request_id,
+        "token_ids": ids,
+        "token_offsets": None,
+        "features": None,
+        "content_parts": None,
+        "sampling_params": params,
+        "model": body.get("model"),
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": None,
+        "return_token_ids": None,
+        "output_mode": "tokens",
+        "stream": stream,
+        "stream_options": body.get("stream_options") if stream else None,
+        "cache_salt": body.get("cache_salt"),
+        "priority": body.get("priority") or 0,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }
+
+
+def render(
+    path: str,
+    raw: bytes,
+    *,
+    served_name: str,
+    max_model_len: int,
+    prompt_counter: Callable[[dict[str, Any]], int],
+    max_tokens_for: Callable[[int, int | None], int],
+) -> tuple[int, bytes]:
+    """``POST`` of ``raw`` to a render endpoint, as vLLM 0.32's render API answers it with
+    ``--enable-scale-out`` (``scale_out/render/serving.py``): what the engine would get, one
+    ``GenerateRequest`` per engine prompt (a list for completions) with the kept prompt's ids
+    (``prompt_counter``'s counts; token-id prompts as given) and the ``max_tokens`` that
+    ``max_tokens_for(prompt_tokens, asked)`` resolves; vLLM's refusals in its order."""
+    endpoint = RENDER_PATHS[path]
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise TypeError("the body is not an object")
+        model = body.get("model")
+        if model is not None and model != served_name:
+            message = f"The model `{model}` does not exist."
+            return 404, vllm_error(message, 404, "NotFoundError")
+        if body.get("use_beam_search"):
+            return 400, vllm_error("Beam search is not supported by the render endpoint")
+        if endpoint == "responses" and body.get("previous_response_id") is not None:
+            message = "previous_response_id is not supported by the stateless render endpoint."
+            return 400, vllm_error(message, type_="invalid_request_error")
+        if endpoint == "completions" and body.get("suffix") is not None:
+            message = "suffix is only supported for models with FIM completion rendering"
+            return 400, vllm_error(message)
+        prompts: list[list[int]] = []
+        if endpoint == "completions":
+            prompt = body["prompt"]
+            many = isinstance(prompt, list) and not (prompt and isinstance(prompt[0], int))
+            for p in prompt if many else [prompt]:
+                count = prompt_counter({**body, "prompt": p})
+                prompts.append(list(p) if isinstance(p, list) else list(range(count)))
+        else:
+            count = prompt_counter({"messages": render_messages(endpoint, body)})
+            prompts.append(list(range(count)))
+        asked = _asked_max_tokens(endpoint, body)
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        return 400, vllm_error(f"bad request: {exc}")
+    keep = render_keep(endpoint, body, max_model_len)
+    rid = hashlib.sha256(raw).hexdigest()[:16]
+    answers = []
+    for i, ids in enumerate(prompts):
+        if keep is not None and keep < len(ids):
+            ids = ids[len(ids) - keep :] if keep else []
+        if not ids:
+            return 400, vllm_error("No token_ids rendered")
+        if len(ids) > max_model_len:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. "
+                f"However, your prompt contains at least {max_model_len + 1} input "
+                "tokens, which exceeds this limit even without any output tokens."
+            )
+            return 400, vllm_error(message)
+        request_id = f"{rid}-{i}" if len(prompts) > 1 else rid
+        max_tokens = max_tokens_for(len(ids), asked)
+        answers.append(render_answer(request_id, ids, body=body, max_tokens=max_tokens))
+    return 200, dumps(answers if endpoint == "completions" else answers[0])
+
+
+def _asked_max_tokens(endpoint: str, body: dict[str, Any]) -> int | None:
+    """The request's own max_tokens, as each endpoint's request object reads it."""
+    if endpoint == "chat":
+        asked = body.get("max_completion_tokens")
+        return asked if asked is not None else body.get("max_tokens")
+    if endpoint == "responses":
+        return body.get("max_output_tokens")
+    asked = body.get("max_tokens")
+    return COMPLETIONS_DEFAULT_MAX_TOKENS if asked is None and endpoint == "completions" else asked

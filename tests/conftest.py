@@ -62,7 +62,8 @@ def vllm() -> Iterator[VllmInfo]:
         model_dir = os.environ.get("KV_SIDECAR_TEST_MODEL_DIR")
         yield describe_vllm(external, model_dir=Path(model_dir) if model_dir else None)
         return
-    server = VllmServer(num_gpu_blocks=SESSION_BLOCKS)
+    # --enable-scale-out: vLLM serves its render endpoints, which sidecars count prompts with
+    server = VllmServer(num_gpu_blocks=SESSION_BLOCKS, extra_args=["--enable-scale-out"])
     server.start()
     try:
         info = server.info()

@@ -7,7 +7,8 @@ truncation), :mod:`~sidecar.counting.render` (the mirror of vLLM 0.32's chat and
 rendering), :mod:`~sidecar.counting.content_format` (the chat template's content format),
 :mod:`~sidecar.counting.tokenizer` (the model's tokenizer, local counts),
 :mod:`~sidecar.counting.estimate` (the upper-bound estimate),
-:mod:`~sidecar.counting.self_check` (local counts sampled against vLLM's /tokenize) and
+:mod:`~sidecar.counting.self_check` (local counts sampled against vLLM's),
+:mod:`~sidecar.counting.upstream` (vLLM's render endpoints and /tokenize) and
 :mod:`~sidecar.counting.counter` (:class:`PromptCounter`).
 """
 

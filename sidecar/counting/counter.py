@@ -14,18 +14,21 @@ truncates it (:class:`~sidecar.counting.plan.Truncation`, applied here to every 
    more than the work. Long counts take one of ``max_concurrent_counts`` slots
    (:mod:`sidecar.counting.slots`); one that would wait more than ``max_count_wait_s`` for a
    slot is shed with :class:`~sidecar.errors.CountingBusy`. A sample of local counts is
-   checked against ``/tokenize`` in the background (:mod:`sidecar.counting.self_check`);
-   a shape whose counts differ (vLLM started with its own ``--chat-template``, say) is counted
-   upstream from then on.
-2. ``exact_upstream``: vLLM's ``POST /tokenize`` (one loopback round trip per prompt, concurrent
-   for a list of prompts), used when no tokenizer is loaded, for content the tokenizer cannot
-   expand (images, audio), for request-supplied chat templates, and whenever the local path fails.
-   A 400 from it is vLLM refusing the prompt: :class:`PromptError` with vLLM's message.
-3. ``estimate``: neither is available (or, after a failure, /tokenize is left alone for a while),
-   an upper bound (:mod:`sidecar.counting.estimate`). Shapes nobody can count exactly are
-   estimates too: Responses with ``previous_response_id`` (the history lives in vLLM),
-   completions with ``suffix``, and gpt-oss chats (vLLM renders Harmony; the template's count is
-   reported, flagged). A warning is logged at most once a minute per cause.
+   checked against vLLM in the background (:mod:`sidecar.counting.self_check`): its render
+   endpoint where it serves one, else ``/tokenize``; a shape whose counts differ (vLLM started
+   with its own ``--chat-template``, say) is counted upstream from then on.
+2. ``exact_upstream``: vLLM counts it (:mod:`sidecar.counting.upstream`): its render endpoint for
+   the request's endpoint (one loopback round trip for the whole body) where vLLM serves render
+   (``--enable-scale-out``), else ``POST /tokenize`` (one round trip per prompt, concurrent for a
+   list of prompts). Used when no tokenizer is loaded, for content the tokenizer cannot expand
+   (images, audio), for request-supplied chat templates, and whenever the local path fails. A
+   400 from /tokenize is vLLM refusing the prompt: :class:`PromptError` with vLLM's message.
+3. ``estimate``: nothing above can count it (or, after a failure, vLLM is left alone for a
+   while), an upper bound (:mod:`sidecar.counting.estimate`). Shapes only render can count are
+   estimates without it: completions with ``suffix``, Responses input items the sidecar does not
+   mirror, and gpt-oss chats (vLLM renders Harmony; the template's count is reported, flagged);
+   Responses with ``previous_response_id`` always are (the history lives in vLLM). A warning is
+   logged at most once a minute per cause.
 
 With ``block_size`` set, each exact count also carries, per prompt, the chain hashes of the
 prompt's full KV blocks (:func:`sidecar.kv.prefix.block_hashes` of the very token ids vLLM will
@@ -39,9 +42,9 @@ vLLM skip the prefix cache), :attr:`TokenCount.prefix` is None.
 What the counter cannot see: vLLM's server flags that change rendering (``--chat-template``,
 ``--chat-template-content-format``, ``--default-chat-template-kwargs``, ``--tokenizer-mode``,
 ``--exclude-tools-when-tool-choice-none``) and a processor chat template that differs from the
-tokenizer's (multimodal models). The self-check catches all of them but
-``--exclude-tools-when-tool-choice-none``, which /tokenize does not apply (the count then
-includes tools vLLM leaves out: too high, never too low).
+tokenizer's (multimodal models). The self-check catches all of them; with /tokenize as its
+oracle (vLLM without render) all but ``--exclude-tools-when-tool-choice-none``, which /tokenize
+does not apply (the count then includes tools vLLM leaves out: too high, never too low).
 
 Only :class:`PromptError` (a ``BadRequest``) leaves :meth:`PromptCounter.count`: the body's
 prompt cannot be interpreted and vLLM would answer 400 too (or it is ``prompt_embeds``, which
@@ -93,7 +96,13 @@ from sidecar.counting.self_check import (
 )
 from sidecar.counting.slots import DEFAULT_MAX_COUNT_WAIT_S, CountingSlots, Slot, default_slots
 from sidecar.counting.tokenizer import OFFLOAD_WORKERS, ModelTokenizer, count_locally
-from sidecar.errors import CountingBusy, PromptError, SidecarError
+from sidecar.counting.upstream import (
+    RenderDeclined,
+    UpstreamUnavailable,
+    VllmCounting,
+    renderable,
+)
+from sidecar.errors import CountingBusy, PromptError
 from sidecar.kv.prefix import BlockHashes, block_hashes
 
 __all__ = ["CountMethod", "PromptCounter", "TokenCount"]
@@ -103,9 +112,6 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _UPSTREAM_TIMEOUT_S = 10.0
-#: After /tokenize fails, requests are estimated without asking it again for this long.
-_RETRY_AFTER_ERROR_S = 1.0
-_RETRY_AFTER_MISSING_S = 30.0
 _WARN_EVERY_S = 60.0
 #: Prompts with more tokens than this are hashed on a worker thread (~1 ms at 16-token blocks).
 _HASH_INLINE_TOKENS = 32_768
@@ -152,13 +158,6 @@ class TokenCount:
 _Counted = tuple[Sequence[int], CountMethod, Sequence[PromptTokens] | None]
 
 
-class _UpstreamUnavailable(SidecarError):
-    """vLLM's /tokenize did not answer usefully; the counter falls back to an estimate.
-
-    Control flow inside the counter, never raised out of it.
-    """
-
-
 class _RateLimitedWarning:
     """At most one warning per key per interval; the rest are counted and reported with it."""
 
@@ -183,11 +182,12 @@ class PromptCounter:
     """Counts the prompt tokens of generation request bodies, as vLLM will.
 
     ``tokenizer_path`` is loaded in the background (it takes seconds); until it is ready, and
-    when it fails to load, counts go to vLLM's ``/tokenize``. Pass ``tokenizer=`` to share one
-    already loaded. ``max_model_len`` resolves ``truncate_prompt_tokens: -1`` (pass the
-    engine's; it is also learnt from ``/tokenize`` answers). The first local count of each
-    :class:`PromptShape`, then one in ``self_check_every``, is compared with ``/tokenize`` in
-    the background and the outcome told to ``observer``. ``block_size`` (vLLM's KV block size)
+    when it fails to load, counts go to vLLM: its render endpoints when ``render`` (and vLLM
+    serves them), else ``/tokenize``. Pass ``tokenizer=`` to share one already loaded.
+    ``max_model_len`` resolves ``truncate_prompt_tokens: -1`` (pass the engine's; it is also
+    learnt from ``/tokenize`` answers). The first local count of each :class:`PromptShape`,
+    then one in ``self_check_every``, is compared with vLLM's (render, else /tokenize) in the
+    background and the outcome told to ``observer``. ``block_size`` (vLLM's KV block size)
     turns on :attr:`TokenCount.prefix`; None costs nothing. At most ``max_concurrent_counts``
     long prompts are tokenized at once (None: the CPUs less one), the others wait up to
     ``max_count_wait_s`` for a slot (:attr:`slots`).
@@ -215,16 +215,22 @@ class PromptCounter:
         block_size: int | None = None,
         max_concurrent_counts: int | None = None,
         max_count_wait_s: float = DEFAULT_MAX_COUNT_WAIT_S,
+        render: bool = False,
     ) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens, not {block_size}")
         self.block_size = block_size
-        self._client = client
-        self._tokenize_url = None if upstream is None else str(upstream).rstrip("/") + "/tokenize"
+        #: vLLM's counting endpoints: render, /tokenize
+        self.upstream = VllmCounting(
+            client,
+            upstream,
+            served_model=served_model,
+            timeout_s=upstream_timeout_s,
+            render=render,
+        )
         self._served_model = served_model
         self.offload_threshold_chars = offload_threshold_chars
         self.max_model_len = max_model_len
-        self._timeout = httpx.Timeout(upstream_timeout_s)
         self._executor: ThreadPoolExecutor | None = None
         #: long counts at once and their bounded wait
         self.slots = CountingSlots(
@@ -234,11 +240,9 @@ class PromptCounter:
         self._local: ModelTokenizer | None = tokenizer
         self._loading: Future[ModelTokenizer | None] | None = None
         self._warnings = _RateLimitedWarning()
-        self._upstream_retry_at = 0.0
-        self._upstream_failure = ""
         self._schedule = SelfCheckSchedule(self_check_every)
         self._observer = observer
-        #: shapes counted by /tokenize since a local count of theirs disagreed with it
+        #: shapes counted by vLLM since a local count of theirs disagreed with vLLM's
         self._mismatched: set[PromptShape] = set()
         self._checks: set[asyncio.Task[None]] = set()
         if tokenizer is None and tokenizer_path is not None:
@@ -275,7 +279,7 @@ class PromptCounter:
         tokens: Sequence[PromptTokens] | None = None
         try:
             plan = plan_count(endpoint, body)
-            counts, method, tokens = await self._count(endpoint, plan)
+            counts, method, tokens = await self._count(endpoint, body, plan)
         except (PromptError, CountingBusy):
             raise
         except Exception as exc:
@@ -352,11 +356,16 @@ class PromptCounter:
 
     # -- the three ways ----------------------------------------------------------------------
 
-    async def _count(self, endpoint: CountedEndpoint, plan: Plan) -> _Counted:
+    async def _count(
+        self, endpoint: CountedEndpoint, body: Mapping[str, Any], plan: Plan
+    ) -> _Counted:
         """The untruncated counts of ``plan``, how they were made, and the tokens behind them
         (only when prefixes are asked for, and only if they are what vLLM will cache)."""
         want = self.block_size is not None and not (isinstance(plan, ChatPlan) and plan.multimodal)
         if isinstance(plan, EstimatePlan):
+            rendered = await self._render(endpoint, body, want)
+            if rendered is not None:
+                return rendered
             self._warnings.warn(
                 f"unsupported:{plan.reason}",
                 "cannot count %s exactly; using an upper-bound estimate",
@@ -373,6 +382,11 @@ class PromptCounter:
         local = self._tokenizer()
         shape = prompt_shape(endpoint, plan)
         usable = not (isinstance(plan, ChatPlan) and plan.upstream_only)
+        if local is not None and local.harmony and isinstance(plan, ChatPlan):
+            # vLLM renders gpt-oss chats with Harmony, not with the template: only it can count.
+            rendered = await self._render(endpoint, body, want)
+            if rendered is not None:
+                return rendered
         if local is not None and usable and shape not in self._mismatched:
             try:
                 tokens = await self._run(plan.chars, count_locally, local, plan)
@@ -384,26 +398,28 @@ class PromptCounter:
                 # vLLM may still render it (or refuse it with its own message).
                 self._warnings.warn(
                     f"local:{type(exc).__name__}",
-                    "local prompt count failed (%s: %s); asking vLLM's /tokenize",
+                    "local prompt count failed (%s: %s); asking vLLM",
                     type(exc).__name__,
                     exc,
                 )
             else:
                 counts = [len(t.ids) for t in tokens]
                 if local.harmony and isinstance(plan, ChatPlan):
-                    # vLLM renders gpt-oss chats with Harmony, not with this template.
                     self._warnings.warn(
                         "harmony",
                         "%s renders chats with Harmony; its chat template only approximates "
-                        "vLLM's count",
+                        "vLLM's count (vLLM's render endpoint would count it exactly)",
                         local.path,
                     )
                     return counts, CountMethod.ESTIMATE, None
-                self._maybe_self_check(shape, plan, counts)
+                self._maybe_self_check(shape, endpoint, body, plan, counts)
                 return counts, CountMethod.LOCAL, tokens if want else None
+        rendered = await self._render(endpoint, body, want)
+        if rendered is not None:
+            return rendered
         try:
             counts, known = await self._count_upstream(plan, want_tokens=want)
-        except _UpstreamUnavailable as exc:
+        except UpstreamUnavailable as exc:
             self._warnings.warn(
                 "upstream",
                 "vLLM's /tokenize is unavailable (%s); prompt counts are upper-bound estimates",
@@ -412,29 +428,73 @@ class PromptCounter:
             return plan.estimate(), CountMethod.ESTIMATE, None
         return counts, CountMethod.UPSTREAM, known
 
+    # -- vLLM's render endpoints -------------------------------------------------------------
+
+    async def _render(
+        self, endpoint: CountedEndpoint, body: Mapping[str, Any], want_tokens: bool
+    ) -> _Counted | None:
+        """vLLM's own rendering of ``body``, when it serves render and answers for this body;
+        None sends the count on (to the local tokenizer, /tokenize or an estimate)."""
+        upstream = self.upstream
+        if not (upstream.render_ready() and renderable(endpoint, body)):
+            return None
+        try:
+            rendered = await upstream.render(endpoint, body)
+        except (RenderDeclined, UpstreamUnavailable) as exc:
+            logger.debug("vLLM's render did not count the prompt (%s)", exc)
+            return None
+        upstream.render_served()
+        counts = [len(r.ids) for r in rendered]
+        # The ids are the ones vLLM keeps, already truncated: which of them the tokenizer added
+        # does not matter unless the counter would truncate further (then: no prefix).
+        tokens = [PromptTokens(r.ids, None) for r in rendered] if want_tokens else None
+        return counts, CountMethod.UPSTREAM, tokens
+
     # -- the self-check ----------------------------------------------------------------------
 
     def _maybe_self_check(
-        self, shape: PromptShape, plan: CompletionPlan | ChatPlan, counts: Sequence[int]
+        self,
+        shape: PromptShape,
+        endpoint: CountedEndpoint,
+        body: Mapping[str, Any],
+        plan: CompletionPlan | ChatPlan,
+        counts: Sequence[int],
     ) -> None:
-        """Compare this local count with /tokenize in the background, if the schedule says so."""
-        if self._client is None or self._tokenize_url is None:
+        """Compare this local count with vLLM's in the background, if the schedule says so."""
+        if not self.upstream.configured:
             return
         if not self._schedule.due(shape):
             return
-        if time.monotonic() < self._upstream_retry_at:
-            self._schedule.done(shape, checked=False)  # /tokenize is failing: owe it, ask later
+        if self.upstream.failing:
+            self._schedule.done(shape, checked=False)  # vLLM is failing: owe it, ask later
             return
-        task = asyncio.get_running_loop().create_task(self._check(shape, plan, list(counts)))
+        check = self._check(shape, endpoint, body, plan, list(counts))
+        task = asyncio.get_running_loop().create_task(check)
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
 
+    async def _oracle(
+        self, endpoint: CountedEndpoint, body: Mapping[str, Any], plan: CompletionPlan | ChatPlan
+    ) -> tuple[str, list[int], bool]:
+        """vLLM's counts of ``plan``: which endpoint answered, the counts, and whether vLLM
+        truncated them already (render) or not (/tokenize)."""
+        rendered = await self._render(endpoint, body, want_tokens=False)
+        if rendered is not None:
+            return "render", list(rendered[0]), True
+        counts, _ = await self._count_upstream(plan)
+        return "/tokenize", counts, False
+
     async def _check(
-        self, shape: PromptShape, plan: CompletionPlan | ChatPlan, local_counts: list[int]
+        self,
+        shape: PromptShape,
+        endpoint: CountedEndpoint,
+        body: Mapping[str, Any],
+        plan: CompletionPlan | ChatPlan,
+        local_counts: list[int],
     ) -> None:
         try:
-            upstream_counts, _ = await self._count_upstream(plan)
-        except _UpstreamUnavailable as exc:
+            oracle, upstream_counts, truncated = await self._oracle(endpoint, body, plan)
+        except UpstreamUnavailable as exc:
             # Not verifiable now: the next count of this shape is checked instead.
             logger.debug("self-check of %s counts postponed: %s", shape, exc)
             self._schedule.done(shape, checked=False)
@@ -446,21 +506,29 @@ class PromptCounter:
             self._schedule.done(shape, checked=True)
             return
         self._schedule.done(shape, checked=True)
+        if truncated:
+            truncation = plan.truncation
+            if truncation.keep == -1 and self.max_model_len is None:
+                # vLLM truncated to a context this counter does not know: not comparable.
+                logger.debug("self-check of %s counts skipped: max_model_len unknown", shape)
+                return
+            local_counts = list(truncation.apply_all(local_counts, self.max_model_len))
         matched = upstream_counts == local_counts
         if not matched and shape not in self._mismatched:
             self._mismatched.add(shape)
             logger.error(
-                "local %s prompt count %s differs from vLLM's /tokenize %s; counting %s prompts "
-                "with /tokenize from now on (is vLLM started with its own --chat-template, "
+                "local %s prompt count %s differs from vLLM's %s %s; counting %s prompts "
+                "with vLLM from now on (is vLLM started with its own --chat-template, "
                 "--chat-template-content-format or --default-chat-template-kwargs, or another "
                 "tokenizer?)",
                 shape,
                 local_counts,
+                oracle,
                 upstream_counts,
                 shape,
             )
         elif matched:
-            logger.debug("local %s prompt count agrees with vLLM's /tokenize", shape)
+            logger.debug("local %s prompt count agrees with vLLM's %s", shape, oracle)
         if self._observer is not None:
             try:
                 self._observer.self_checked(shape, matched)
@@ -473,11 +541,8 @@ class PromptCounter:
         self, plan: CompletionPlan | ChatPlan, *, want_tokens: bool = False
     ) -> tuple[list[int], list[PromptTokens] | None]:
         """The untruncated counts by /tokenize, and (``want_tokens``) the ids it answered."""
-        if self._client is None or self._tokenize_url is None:
-            raise _UpstreamUnavailable("no upstream configured")
-        if time.monotonic() < self._upstream_retry_at:
-            # Recently failed: estimate now rather than make every request wait for a timeout.
-            raise _UpstreamUnavailable(self._upstream_failure)
+        if not self.upstream.configured:
+            raise UpstreamUnavailable("no upstream configured")
         # Which of the answered ids the tokenizer added (BOS, EOS) /tokenize does not say: only
         # without special tokens is it known (none), and truncation needs it.
         added = None if plan.add_special_tokens else (0, 0)
@@ -513,43 +578,10 @@ class PromptCounter:
         self, payload: dict[str, Any], want_tokens: bool = False
     ) -> tuple[int, list[int] | None]:
         """The count /tokenize answers, and its token ids when asked for and consistent."""
-        assert self._client is not None and self._tokenize_url is not None
-        if self._served_model is not None:
-            payload = {"model": self._served_model, **payload}
-        try:
-            response = await self._client.post(
-                self._tokenize_url, json=payload, timeout=self._timeout
-            )
-        except httpx.HTTPError as exc:
-            raise self._upstream_failed(
-                f"{type(exc).__name__}: {exc}", _RETRY_AFTER_ERROR_S
-            ) from exc
-        if response.status_code == 400:
-            raise PromptError(_error_message(response))
-        if response.status_code in (404, 405):
-            # /tokenize is disabled or absent (not vLLM?): that does not change soon.
-            raise self._upstream_failed(f"HTTP {response.status_code}", _RETRY_AFTER_MISSING_S)
-        if response.status_code != 200:
-            raise self._upstream_failed(f"HTTP {response.status_code}", _RETRY_AFTER_ERROR_S)
-        try:
-            data = response.json()
-            count = data["count"]
-            if not isinstance(count, int):
-                raise TypeError("count is not an integer")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise _UpstreamUnavailable(f"unexpected /tokenize answer: {exc}") from exc
-        max_model_len = data.get("max_model_len")
-        if self.max_model_len is None and isinstance(max_model_len, int):
+        count, ids, max_model_len = await self.upstream.tokenize(payload, want_tokens)
+        if self.max_model_len is None and max_model_len is not None:
             self.max_model_len = max_model_len
-        ids = data.get("tokens") if want_tokens else None
-        if not (isinstance(ids, list) and len(ids) == count and all(type(t) is int for t in ids)):
-            ids = None  # not the ids of this count: no prefix rather than a wrong one
         return count, ids
-
-    def _upstream_failed(self, failure: str, retry_after_s: float) -> _UpstreamUnavailable:
-        self._upstream_failure = f"{failure} (not retried for {retry_after_s:g} s)"
-        self._upstream_retry_at = time.monotonic() + retry_after_s
-        return _UpstreamUnavailable(failure)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -617,15 +649,6 @@ def _load_tokenizer(path: Path) -> ModelTokenizer | None:
         return None
     logger.info("loaded the tokenizer in %s for exact local prompt counts", path)
     return tokenizer
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        error = response.json().get("error")
-        message = error.get("message") if isinstance(error, Mapping) else None
-    except (ValueError, AttributeError):
-        message = None
-    return str(message or f"vLLM refused the prompt (HTTP {response.status_code})")
 
 
 def _reads_prefix_cache(endpoint: CountedEndpoint, body: Mapping[str, Any]) -> bool:

@@ -1,11 +1,12 @@
-"""The self-check of local prompt counts against vLLM's ``/tokenize``: which counts, and who hears.
+"""The self-check of local prompt counts against vLLM's own: which counts, and who hears.
 
 Local counts rest on mirroring vLLM's rendering; a server flag this process cannot see
 (``--chat-template``, ``--chat-template-content-format``, ``--default-chat-template-kwargs``,
 another tokenizer) or a template branch only some requests take makes them drift. So the
-counter compares a sample of its local counts with ``/tokenize``, per :class:`PromptShape`
+counter compares a sample of its local counts with vLLM's (its render endpoint where vLLM serves
+render, else ``/tokenize``: :mod:`sidecar.counting.upstream`), per :class:`PromptShape`
 (endpoint x tools x content kind): the first local count of each shape, then one in every
-``every``. A shape whose count ever disagrees is counted by ``/tokenize`` from then on.
+``every``. A shape whose count ever disagrees is counted by vLLM from then on.
 
 Each outcome goes to a :class:`CountingObserver`, so the counter knows nothing of metrics;
 the app wires one that feeds ``kv_sidecar_prompt_count_checks_total{shape,result}``.
@@ -80,13 +81,13 @@ class CountingObserver(Protocol):
     """Hears the outcome of each self-check (the app feeds it to the exporter)."""
 
     def self_checked(self, shape: PromptShape, matched: bool) -> None:
-        """A local count of ``shape`` was compared with /tokenize: equal, or not."""
+        """A local count of ``shape`` was compared with vLLM's: equal, or not."""
 
 
 class SelfCheckSchedule:
     """Which local counts to check: the first of each shape, then one in every ``every``.
 
-    At most one check per shape is in flight, so a burst never adds a /tokenize per request;
+    At most one check per shape is in flight, so a burst never adds a vLLM call per request;
     a check that could not be made (vLLM unavailable) is owed to the next count of its shape.
     """
 
