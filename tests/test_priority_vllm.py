@@ -1,0 +1,103 @@
+"""Priority in front of the real vLLM (CPU build, the session server): an interactive request
+goes ahead of a batch tenant's queued burst.
+
+The sidecar's budget holds one request at a time (``--headroom`` from the pool, as
+test_lifecycle sizes it), so a burst of batch requests (tenant ``batch``, priority 10 by
+``--priority-rules``) runs one by one and the rest queue. Once at least three are queued, an
+interactive request arrives through the official ``openai`` client, of the same tenant (so no
+fair share between tenants orders it) but priority 0 by its ``x-kv-sidecar-priority`` header,
+which comes before the rules. The queue tries the best priority first, so it is admitted at the
+next release: at most two answers end between its arrival and its own end (the one running, and
+one that may have been admitted in the moment before it arrived), where FIFO would end it last
+(with the rule at priority 0 it does: checked by hand, the test then fails with the chat last).
+Nothing here depends on how fast vLLM decodes: the order of admissions is the sidecar's, one at
+a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from harness.exposition import metric_value
+from harness.workload import SidecarProcess, make_prompts, one_completion
+from tests.conftest import VllmInfo
+from tests.support.vllm_idle import idle_preemptions
+
+pytestmark = pytest.mark.vllm
+
+BATCH = 6
+PROMPT_TOKENS = 200
+MAX_TOKENS = 300
+
+
+async def test_an_interactive_request_is_admitted_ahead_of_a_queued_batch_burst(
+    vllm: VllmInfo,
+) -> None:
+    assert vllm.model_dir is not None, "set KV_SIDECAR_TEST_MODEL_DIR for an external vLLM"
+    max_tokens = min(MAX_TOKENS, vllm.max_model_len - PROMPT_TOKENS - 1)
+    blocks_each = vllm.blocks_for(PROMPT_TOKENS + max_tokens)
+    headroom = 1.0 - (blocks_each + 0.5) / (vllm.num_gpu_blocks - 1)
+    prompts = make_prompts(vllm.model_dir, BATCH + 1, PROMPT_TOKENS, seed=23)
+    before = idle_preemptions(vllm.url)
+    args = ["--reservation", "worst-case", "--headroom", f"{headroom:.4f}"]
+    with SidecarProcess(vllm.url, *args, "--priority-rules", "tenant:batch=10") as sc:
+        assert sc.state()["budget_blocks"] == blocks_each, sc.state()
+        finished: list[str] = []
+        batch_headers = {"x-kv-sidecar-tenant": "batch"}
+        async with httpx.AsyncClient(timeout=300, headers=batch_headers) as client:
+
+            async def batch_one(k: int) -> int:
+                r = await one_completion(
+                    client, sc.url, prompts[k], max_tokens=max_tokens, stream=True,
+                    model=vllm.served_name,
+                )  # fmt: skip
+                finished.append(f"batch-{k}")
+                return r.status
+
+            burst = [asyncio.ensure_future(batch_one(k)) for k in range(BATCH)]
+            deadline = time.monotonic() + 120
+            while True:  # until the whole burst is in, three or more of it queued
+                state = (await client.get(sc.metrics_url + "/state")).json()
+                metrics = (await client.get(sc.metrics_url + "/metrics")).text
+                admitted = metric_value(metrics, "kv_sidecar_requests_total", decision="admit")
+                if (admitted or 0) + state["queue_depth"] == BATCH and state["queue_depth"] >= 3:
+                    break
+                assert time.monotonic() < deadline, f"the burst never queued: {state}"
+                await asyncio.sleep(0.02)
+            ended_before = len(finished)
+            chat = AsyncOpenAI(base_url=sc.url + "/v1", api_key="sk-interactive", max_retries=0)
+            answer = await chat.completions.create(
+                model=vllm.served_name,
+                prompt=prompts[BATCH],
+                max_tokens=max_tokens,
+                extra_body={"ignore_eos": True},
+                # the batch tenant's own: the priority alone puts it first, not a fair share
+                extra_headers={"x-kv-sidecar-tenant": "batch", "x-kv-sidecar-priority": "0"},
+            )
+            finished.append("chat")
+            await chat.close()
+            statuses = await asyncio.gather(*burst)
+        metrics = sc.metrics()
+    assert statuses == [200] * BATCH
+    assert answer.usage is not None and answer.usage.completion_tokens == max_tokens
+    at = finished.index("chat")
+    # FIFO would end it last (at BATCH); first by priority, it waits for one answer at most
+    assert at <= ended_before + 2, (ended_before, finished)
+    assert at < BATCH
+    assert (
+        metric_value(
+            metrics, "kv_sidecar_class_requests_total", priority="10", tenant="batch",
+            decision="admit",
+        )
+        == BATCH
+    )  # fmt: skip
+    assert (
+        metric_value(metrics, "kv_sidecar_class_requests_total", priority="0", decision="admit")
+        == 1
+    )
+    assert idle_preemptions(vllm.url) == before
