@@ -3,6 +3,7 @@
     python -m bench.admission            # about 45 minutes; progress on stderr
     python -m bench.admission --quick    # smaller workloads (a smoke run)
     python -m bench.admission --workloads burst --configs direct,sidecar-worst-case-queue
+    python -m bench.admission --workloads priority --repeat 2   # priority classes, tenants
 
 Six workloads, each sent unchanged to every configuration in the same run:
 
@@ -37,7 +38,17 @@ every repetition, and the mean absolute error per running request; samples that 
 2 blocks or more are kept with their context), reserved over used blocks, and the KV utilization
 vLLM achieved. Writes ``bench/results/admission.json``, one PNG per workload in
 ``bench/results/``, and the admission section of ``BENCHMARKS.md`` (only from a full run with
-every configuration)."""
+every configuration).
+
+``--workloads priority`` (run on its own) is issue 23's measurement: a batch tenant's burst of
+long completions beside an interactive tenant's Poisson stream of short chats, each naming its
+tenant in ``x-kv-sidecar-tenant``, on its own configurations: the interactive stream alone
+through the sidecar, vLLM direct (FCFS), a second vLLM started with ``--scheduling-policy
+priority`` with the ``priority`` field in each body, and the sidecar with one tenant, with two
+tenants and no classes, and with ``--priority-rules tenant:batch=10`` (adaptive and worst-case).
+Figures per class (interactive TTFT p50/p99 and goodput, batch goodput) with preemptions and
+refusals; writes ``bench/results/admission-priority.json`` (raw: ``admission-priority-raw.json``)
+and the admission-priority section of ``BENCHMARKS.md``."""
 
 # The package: ``workload`` holds the six workloads and the configurations they run on,
 # ``client`` sends a workload and samples vLLM and the sidecar meanwhile, ``run`` runs one

@@ -16,11 +16,12 @@ from bench.admission.figures import (
     UNDER_PREDICTION_BLOCKS,
     UNDER_SAMPLES_KEPT,
     aggregate,
+    class_figures,
     error_samples,
     error_stats,
     figures,
 )
-from bench.admission.report import report, sidecar_defaults
+from bench.admission.report import priority_report, report, sidecar_defaults
 from bench.admission.run import run_config
 from bench.admission.workload import (
     BASELINES,
@@ -28,6 +29,7 @@ from bench.admission.workload import (
     CONFIGS,
     MAX_MODEL_LEN,
     NUM_GPU_BLOCKS,
+    PRIORITY_CONFIGS,
     TUNED_MAX_NUM_SEQS,
     TUNED_MAX_QUEUED,
     WATERMARK,
@@ -56,7 +58,12 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"default: {','.join(CONFIGS)}; for --workloads priority (run on its own): "
+        f"{','.join(PRIORITY_CONFIGS)}",
+    )
     parser.add_argument("--no-report", action="store_true", help="do not touch BENCHMARKS.md")
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs of each configuration (interleaved)"
@@ -75,7 +82,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the runs already in bench/results/admission-raw.json and make the rest",
+        help="keep the runs already in bench/results/admission-raw.json (admission-priority-raw"
+        ".json for --workloads priority) and make the rest",
     )
     parser.add_argument(
         "--force-report",
@@ -86,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--report-only",
         action="store_true",
-        help="redo figures, charts and report from bench/results/admission-raw.json",
+        help="redo figures, charts and report from bench/results/admission-raw.json (or "
+        "admission-priority-raw.json)",
     )
     return parser
 
@@ -125,7 +134,7 @@ def servers(configs: list[str]) -> list[tuple[str, VllmServer, list[str]]]:
     """The vLLM servers the configurations need (not started): the default one, and one each
     for the configurations that tune vLLM's own limits."""
     servers: list[tuple[str, VllmServer, list[str]]] = []
-    own_server = ("vllm-tuned", "vllm-watermark")
+    own_server = ("vllm-tuned", "vllm-watermark", "vllm-priority")
     default_configs = [c for c in configs if c not in own_server]
     if default_configs:
         servers.append(
@@ -160,6 +169,18 @@ def servers(configs: list[str]) -> list[tuple[str, VllmServer, list[str]]]:
                 ["vllm-watermark"],
             )
         )
+    if "vllm-priority" in configs:  # vLLM's own priority scheduling (the body's priority field)
+        servers.append(
+            (
+                "priority",
+                VllmServer(
+                    num_gpu_blocks=NUM_GPU_BLOCKS,
+                    max_model_len=MAX_MODEL_LEN,
+                    extra_args=["--scheduling-policy", "priority"],
+                ),
+                ["vllm-priority"],
+            )
+        )
     return servers
 
 
@@ -180,6 +201,7 @@ class Plan:
         self.baseline_repeat = args.repeat if args.baseline_repeat is None else args.baseline_repeat
         self.workloads = workloads
         self.suffix = ("-quick" if args.quick else "") + args.suffix
+        self.stem = stem_of(workloads[0].name)
         self.started = started
         self.total = 0
         self.done = 0
@@ -187,7 +209,7 @@ class Plan:
     def resume(self) -> None:
         """Keep the runs already in the raw file (a run that was interrupted starts again where
         it stopped)."""
-        raw_path = RESULTS / f"admission{self.suffix}-raw.json"
+        raw_path = RESULTS / f"{self.stem}{self.suffix}-raw.json"
         if not raw_path.exists():
             return
         old = json.loads(raw_path.read_text())
@@ -218,7 +240,7 @@ class Plan:
         self.runs[workload].setdefault(config, []).append(run)
         self.raw["runs"] = self.runs
         self.raw["minutes"] = (time.monotonic() - self.started) / 60
-        write_json(f"admission{self.suffix}-raw", self.raw)
+        write_json(f"{self.stem}{self.suffix}-raw", self.raw)
 
 
 def run_one(
@@ -236,6 +258,15 @@ def run_one(
         run = run_config(config, wl, server.url, front, server.proc.pid)
     except Exception as exc:  # one broken configuration must not end the run
         progress(f"admission: {wl.name} / {config} FAILED: {exc!r}")
+        return
+    if wl.name == "priority":
+        c = class_figures(run)
+        progress(
+            f"admission: {wl.name} / {config}: {c['preemptions']:.0f} preemptions, "
+            f"{c['refusals']} refusals, interactive TTFT p99 {c['interactive_ttft_p99']} s, "
+            f"batch goodput {c['batch_goodput_tps']} tok/s, {c['seconds']:.0f} s"
+        )
+        plan.keep(wl.name, config, rep, run)
         return
     f = figures(run)
     progress(
@@ -284,13 +315,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cli = parser()
     args = cli.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w]
-    configs = [c for c in args.configs.split(",") if c]
+    # the priority workload runs on its own, on its own configurations, into its own results
+    known = PRIORITY_CONFIGS if "priority" in names else CONFIGS
+    if "priority" in names and len(names) > 1:
+        cli.error("--workloads priority runs on its own")
+    configs = [c for c in (args.configs or ",".join(known)).split(",") if c]
     for c in configs:
-        if c not in CONFIGS:
-            cli.error(f"unknown configuration {c}; one of {', '.join(CONFIGS)}")
+        if c not in known:
+            cli.error(f"unknown configuration {c}; one of {', '.join(known)}")
     if args.report_only:
         suffix = ("-quick" if args.quick else "") + args.suffix
-        return finish(json.loads((RESULTS / f"admission{suffix}-raw.json").read_text()), args)
+        stem = stem_of(names[0])
+        return finish(json.loads((RESULTS / f"{stem}{suffix}-raw.json").read_text()), args)
     for n in names:
         if n not in BUILDERS:
             cli.error(f"unknown workload {n}; one of {', '.join(BUILDERS)}")
@@ -308,8 +344,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for label, server, server_configs in servers(configs):
         run_server(plan, label, server, server_configs)
     raw["load_average_after"] = [round(x, 2) for x in load_average()]
-    write_json(f"admission{plan.suffix}-raw", raw)
+    write_json(f"{plan.stem}{plan.suffix}-raw", raw)
     return finish(raw, args)
+
+
+def stem_of(workload: str) -> str:
+    """The name of a run's results: ``admission``, ``admission-priority`` for that workload."""
+    return "admission-priority" if workload == "priority" else "admission"
 
 
 def _as_list(runs: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -318,6 +359,8 @@ def _as_list(runs: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]
 
 def finish(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Figures, charts and the report from the raw runs (``--report-only`` starts here)."""
+    if [w["name"] for w in raw["workloads"]] == ["priority"]:
+        return finish_priority(raw, args)
     suffix = ("-quick" if raw["quick"] else "") + raw.get("suffix", "")
     results: dict[str, Any] = {
         "machine": raw["machine"],
@@ -380,5 +423,46 @@ def finish(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     forced = getattr(args, "force_report", False)
     if not args.no_report and not raw["quick"] and not raw.get("suffix") and (complete or forced):
         update_section(ROOT / "BENCHMARKS.md", "admission", text)
+    progress(f"admission: done ({results['minutes']:.1f} minutes of runs)")
+    return results
+
+
+def finish_priority(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The priority workload's figures (per class, every repetition) and its report section."""
+    suffix = ("-quick" if raw["quick"] else "") + raw.get("suffix", "")
+    runs = raw["runs"]["priority"]
+    ordered = {
+        c: sorted(_as_list(runs[c]), key=lambda r: r.get("repetition", 0))
+        for c in PRIORITY_CONFIGS
+        if c in runs
+    }
+    meta = raw["workloads"][0]
+    results: dict[str, Any] = {
+        "machine": raw["machine"],
+        "quick": raw["quick"],
+        "vllm": raw["vllm"],
+        "minutes": raw["minutes"],
+        "repeat": raw.get("repeat", 1),
+        "sidecar_defaults": raw.get("sidecar_defaults") or {},
+        "load_average_after": raw.get("load_average_after"),
+        "workload": {k: meta[k] for k in ("name", "title", "description")},
+        "figures": {c: aggregate([class_figures(r) for r in reps]) for c, reps in ordered.items()},
+        "sidecar_metrics": {
+            c: [r.get("sidecar_metrics") for r in reps] for c, reps in ordered.items()
+        },
+    }
+    write_json("admission-priority" + suffix, results)
+    command = "python -m bench.admission --workloads priority"
+    command += " --quick" if raw["quick"] else ""
+    if raw.get("suffix"):
+        command += f" --suffix={raw['suffix']}"
+    if raw.get("repeat", 3) != 3:
+        command += f" --repeat {raw['repeat']}"
+    text = priority_report(results, command)
+    print(text)
+    complete = set(ordered) == set(PRIORITY_CONFIGS)
+    forced = getattr(args, "force_report", False)
+    if not args.no_report and not raw["quick"] and not raw.get("suffix") and (complete or forced):
+        update_section(ROOT / "BENCHMARKS.md", "admission-priority", text)
     progress(f"admission: done ({results['minutes']:.1f} minutes of runs)")
     return results

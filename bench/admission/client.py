@@ -162,7 +162,7 @@ async def one(
 ) -> tuple[Outcome, str]:
     """Send one request until it is answered (retrying refusals); the outcome and answer text."""
     out = Outcome(req.kind, arrived, stream=req.stream, true_tokens=req.true_tokens)
-    headers = {}
+    headers = dict(req.headers)
     if req.output_tokens is not None:
         headers["x-bench-output-tokens"] = str(req.output_tokens)
     payload: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "stream": req.stream, **body}

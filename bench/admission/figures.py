@@ -174,3 +174,47 @@ def paired_ratio(f: dict[str, Any], d: dict[str, Any] | None, key: str) -> float
         if a[key] is not None and b[key]
     ]
     return median(ratios) if ratios else None
+
+
+#: the priority workload's classes (its requests' ``kind``)
+PRIORITY_KINDS = ("interactive", "batch")
+
+
+def class_figures(run: dict[str, Any]) -> dict[str, Any]:
+    """The priority workload's figures of one run, per class (``interactive_*``, ``batch_*``):
+    requests, completed, refused answers (429/503), TTFT p50/p99 and E2E p50/p99 over the
+    completed streams, and goodput: the class's completed output tokens over the seconds from
+    its first arrival to its last answer (None for a class the run did not send)."""
+    outs = [Outcome(**o) for o in run["outcomes"]]
+    out: dict[str, Any] = {
+        "preemptions": run["preemptions"],
+        "seconds": run["seconds"],
+        "refusals": sum(o.refusals for o in outs),
+    }
+    for kind in PRIORITY_KINDS:
+        mine = [o for o in outs if o.kind == kind]
+        ok = [o for o in mine if o.status == 200 and o.completion_tokens > 0]
+        ttft = [o.ttft for o in ok if o.ttft is not None]
+        e2e = [o.e2e for o in ok if o.e2e is not None]
+        ends = [o.arrived + o.e2e for o in ok if o.e2e is not None]
+        span = max(ends) - min(o.arrived for o in mine) if ends else None
+        tokens = sum(o.completion_tokens for o in ok)
+        sent = bool(mine)
+        out.update(
+            {
+                f"{kind}_requests": len(mine) if sent else None,
+                f"{kind}_completed": len(ok) if sent else None,
+                f"{kind}_refusals": sum(o.refusals for o in mine) if sent else None,
+                f"{kind}_tokens": tokens if sent else None,
+                f"{kind}_goodput_tps": tokens / span if span else None,
+                f"{kind}_ttft_p50": percentile(ttft, 0.5) if ttft else None,
+                f"{kind}_ttft_p99": percentile(ttft, 0.99) if ttft else None,
+                f"{kind}_e2e_p50": percentile(e2e, 0.5) if e2e else None,
+                f"{kind}_e2e_p99": percentile(e2e, 0.99) if e2e else None,
+            }
+        )
+    reasons = (run.get("sidecar_metrics") or {}).get("requests_by_reason") or {}
+    out["sidecar_refused"] = (
+        sum(v for k, v in reasons.items() if k.startswith("reject/")) if reasons else None
+    )
+    return out

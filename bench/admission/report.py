@@ -1,5 +1,6 @@
-"""The admission benchmark's section of BENCHMARKS.md: how the run was made, one part per
-workload (outcomes, prediction error, learned lengths), and the targets with their verdicts."""
+"""The admission benchmark's sections of BENCHMARKS.md: how the run was made, one part per
+workload (outcomes, prediction error, learned lengths), and the targets with their verdicts; the
+priority workload's section apart (:func:`priority_report`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from bench.admission.workload import (
     MAX_MODEL_LEN,
     NUM_GPU_BLOCKS,
     OPTIMISTIC_PRIOR,
+    PRIORITY_RULES,
     SIDECAR_CONFIGS,
     TUNED_MAX_NUM_SEQS,
     TUNED_MAX_QUEUED,
@@ -374,3 +376,167 @@ def targets_table(results: dict[str, Any]) -> str:
                 ]
             )
     return table(["workload", "configuration", "target", "measured", "verdict"], rows)
+
+
+# --- the priority workload ----------------------------------------------------------------------
+
+#: what each configuration of the priority workload is, for the report
+PRIORITY_TEXT = {
+    "sidecar-alone": "the interactive stream alone, no batch, through the sidecar (defaults): "
+    "the baseline TTFT",
+    "direct": "both tenants straight to vLLM (its default FCFS scheduling), no priority field",
+    "vllm-priority": "both tenants straight to a second vLLM started with `--scheduling-policy "
+    "priority`, each request's body carrying vLLM's own `priority` (interactive 0, batch 10)",
+    "sidecar-one-tenant": "both through the sidecar (defaults) without the tenant header: one "
+    "tenant and one priority, the plain FIFO",
+    "sidecar-tenants": "both through the sidecar (defaults) with their tenant header, no "
+    "classes: both priority 0, the fair share between the two tenants applies",
+    "sidecar-classes": f"the same with `--priority-rules {PRIORITY_RULES}` (adaptive "
+    "reservation, the default)",
+    "sidecar-classes-worst-case": f"the same with `--priority-rules {PRIORITY_RULES} "
+    "--reservation worst-case`",
+}
+
+
+def _reps(f: dict[str, Any], key: str) -> list[float | None]:
+    return [r.get(key) for r in f.get("each", [])]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _ratio_text(f: dict[str, Any], base: dict[str, Any], key: str) -> tuple[float | None, str]:
+    """The ratio of the medians, and the text: it, then each repetition's value against the
+    base's median in brackets."""
+    ratio = _ratio(f[key], base[key])
+    per = [_ratio(v, base[key]) for v in _reps(f, key)]
+    cells = ", ".join(fmt(v, 2) for v in per)
+    return ratio, f"{fmt(ratio, 2)} x ({cells})"
+
+
+def priority_targets(figs: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    alone, without = figs.get("sidecar-alone"), figs.get("sidecar-tenants")
+    for name in ("sidecar-classes", "sidecar-classes-worst-case"):
+        f = figs.get(name)
+        if f is None:
+            continue
+        if alone is not None:
+            ratio, text = _ratio_text(f, alone, "interactive_ttft_p99")
+            rows.append(
+                [
+                    name,
+                    "interactive TTFT p99 <= 1.5 x its p99 alone (`sidecar-alone`, median "
+                    f"{fmt(alone['interactive_ttft_p99'], 2)} s)",
+                    f"{fmt(f['interactive_ttft_p99'], 2)} s: {text}",
+                    verdict(None if ratio is None else ratio <= 1.5),
+                ]
+            )
+        if without is not None:
+            ratio, text = _ratio_text(f, without, "batch_goodput_tps")
+            rows.append(
+                [
+                    name,
+                    "batch goodput >= 0.9 x without classes (`sidecar-tenants`, median "
+                    f"{fmt(without['batch_goodput_tps'], 1)} tok/s)",
+                    f"{fmt(f['batch_goodput_tps'], 1)} tok/s: {text}",
+                    verdict(None if ratio is None else ratio >= 0.9),
+                ]
+            )
+    f = figs.get("sidecar-classes-worst-case")
+    if f is not None:
+        worst = max(p for p in _reps(f, "preemptions") if p is not None)
+        rows.append(
+            [
+                "sidecar-classes-worst-case",
+                "zero preemptions (every repetition)",
+                fmt(f["preemptions"], 0) + each(f, "preemptions", 0),
+                verdict(worst == 0),
+            ]
+        )
+    return table(
+        [
+            "configuration",
+            "target",
+            "measured (median: ratio of medians, each repetition against the base's median)",
+            "verdict",
+        ],
+        rows,
+    )
+
+
+def priority_report(results: dict[str, Any], command: str) -> str:
+    """The priority workload's section: how it ran, its figures per class, the targets."""
+    figs: dict[str, dict[str, Any]] = results["figures"]
+    wl = results["workload"]
+    reps = sorted({f["repetitions"] for f in figs.values()})
+    lines = [
+        f"Run: {machine_line(results['machine'], results.get('load_average_after'))}.",
+        "",
+        f"Command: `{command}` ({results['minutes']:.0f} minutes; each configuration ran "
+        f"{' or '.join(str(r) for r in reps)} times, interleaved in a rotating order on the "
+        "first server, `vllm-priority` after them on its own; the tables give the median and, "
+        f"in brackets, every repetition in order). vLLM {results['vllm']}: "
+        f"`--num-gpu-blocks-override {NUM_GPU_BLOCKS}` (block size {BLOCK_SIZE}, "
+        f"{CAPACITY_BLOCKS} usable blocks), `--max-model-len {MAX_MODEL_LEN}`, prefix caching on "
+        "(reset between runs). Sidecars run with defaults "
+        f"({defaults_text(results)}, `--policy queue`, `--reservation adaptive`) plus "
+        "`--max-queue-wait 600 --max-queue-depth 1024`, a fresh sidecar for each run.",
+        "",
+        f"`{wl['name']}`: {wl['description']}",
+        "",
+        "Configurations:",
+        "",
+        *[f"- `{c}`: {PRIORITY_TEXT[c]}." for c in figs if c in PRIORITY_TEXT],
+        "",
+        "Figures, per run: TTFT p50 and p99 are nearest-rank percentiles over the class's "
+        "completed streams, from the request's first attempt (queueing in the sidecar or vLLM "
+        "and waits between retries included); goodput is the class's completed output tokens "
+        "over the seconds from its first arrival to its last answer; preemptions are the delta "
+        "of vLLM's `vllm:num_preemptions_total` over the run (read once vLLM is idle again); "
+        "refused counts the 429 and 503 answers the clients got (each retried after its "
+        "Retry-After, as the openai client does). The table gives each figure's median over the "
+        "repetitions, then every repetition in brackets.",
+        "",
+    ]
+    rows = []
+    for name, f in figs.items():
+        rows.append(
+            [
+                name,
+                fmt(f["interactive_ttft_p50"], 2) + each(f, "interactive_ttft_p50", 2),
+                fmt(f["interactive_ttft_p99"], 2) + each(f, "interactive_ttft_p99", 2),
+                fmt(f["interactive_goodput_tps"], 1) + each(f, "interactive_goodput_tps", 1),
+                f"{fmt(f['interactive_completed'], 0)}/{fmt(f['interactive_requests'], 0)}",
+                fmt(f["batch_goodput_tps"], 1) + each(f, "batch_goodput_tps", 1),
+                f"{fmt(f['batch_completed'], 0)}/{fmt(f['batch_requests'], 0)}",
+                fmt(f["batch_e2e_p99"], 1) + each(f, "batch_e2e_p99", 1),
+                fmt(f["preemptions"], 0) + each(f, "preemptions", 0),
+                fmt(f["refusals"], 0) + each(f, "refusals", 0),
+                fmt(f["seconds"], 0) + each(f, "seconds", 0),
+            ]
+        )
+    lines += [
+        table(
+            [
+                "configuration",
+                "interactive TTFT p50 s",
+                "interactive TTFT p99 s",
+                "interactive goodput tok/s",
+                "interactive completed",
+                "batch goodput tok/s",
+                "batch completed",
+                "batch E2E p99 s",
+                "preemptions",
+                "refused (429/503 answers)",
+                "run s",
+            ],
+            rows,
+        ),
+        "",
+        "**Targets**",
+        "",
+        priority_targets(figs),
+    ]
+    return "\n".join(lines)

@@ -13,7 +13,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.admission.client import Outcome, Tracker, drive, sample
-from bench.admission.workload import KEPT_PER_CLASS, OPTIMISTIC_PRIOR, Workload
+from bench.admission.workload import (
+    KEPT_PER_CLASS,
+    OPTIMISTIC_PRIOR,
+    PRIORITY_SIDECARS,
+    Workload,
+    priority_variant,
+)
 from bench.common import queue_flags, reset_prefix_cache, wait_idle, wait_tokenizer
 from bench.proxies import BenchProxy
 from harness.bench_util import RESULTS, group_cpu_seconds, progress
@@ -23,8 +29,11 @@ from harness.workload import SidecarProcess, vllm_preemptions
 
 
 def sidecar_args(config: str) -> list[str]:
-    """The flags of the sidecar of configuration ``config`` (``sidecar-RESERVATION-POLICY`` or
-    ``oracle``)."""
+    """The flags of the sidecar of configuration ``config`` (``sidecar-RESERVATION-POLICY``,
+    ``oracle``, or one of the priority workload's, :data:`PRIORITY_SIDECARS`)."""
+    if config in PRIORITY_SIDECARS:
+        reservation, flags = PRIORITY_SIDECARS[config]
+        return [*flags, *queue_flags("queue", reservation)]
     if config == "oracle":  # worst case, with every client naming its real length as max_tokens
         config = "sidecar-worst-case-queue"
     reservation, _, policy = config.removeprefix("sidecar-").rpartition("-")
@@ -65,6 +74,8 @@ def run_config(
     """One configuration on one workload. ``front_url`` is where a proxy forwards (vLLM itself,
     or the early-end shim in front of it); ``vllm_pgid`` is vLLM's process group, whose CPU time
     is measured."""
+    if workload.name == "priority":
+        workload = priority_variant(config, workload)
     wait_idle(vllm_url)
     reset_prefix_cache(vllm_url)
     before = vllm_preemptions(vllm_url)
@@ -146,7 +157,15 @@ def _sidecar_figures(text: str) -> dict[str, Any]:
         for s in family.samples
         if s.name == "kv_sidecar_expected_output_tokens"
     }
+    by_class = {
+        f"{s.labels.get('priority')}/{s.labels.get('tenant')}/{s.labels.get('decision')}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kv_sidecar_class_requests_total" and s.value
+    }
     return {
+        # per priority/tenant/decision, the requests the sidecar decided (the priority workload)
+        "class_requests": by_class,
         # per request class, the output tokens expected mode reserves (classes still on the
         # prior are not listed)
         "learned_output_tokens": learned,

@@ -1,12 +1,12 @@
-"""The admission benchmark's workloads (six, each sent unchanged to every configuration) and the
-engine and configurations they run on."""
+"""The admission benchmark's workloads (six, each sent unchanged to every configuration; and
+``priority``, with its own configurations) and the engine and configurations they run on."""
 
 from __future__ import annotations
 
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,36 @@ KEPT_PER_CLASS = 256
 SIDECAR_CONFIGS = [c for c in CONFIGS if c.startswith("sidecar-")]
 WORKLOADS = ["burst", "poisson", "chat", "no-max-tokens", "staggered", "mixed"]
 
+#: the priority workload (``--workloads priority``, not in the default run): a batch tenant's
+#: burst beside an interactive tenant's Poisson stream, on its own configurations. Full-run
+#: sizes: batch requests, their prompt tokens and max_tokens; interactive arrivals per second,
+#: the stream's seconds, its max_tokens
+PRIORITY_SIZE = (200, 128, 256, 1.0, 60.0, 48)
+PRIORITY_QUICK_SIZE = (40, 128, 160, 1.0, 15.0, 48)
+BATCH_TENANT, INTERACTIVE_TENANT = "batch", "chat"
+BATCH_PRIORITY = 10  # the batch tenant's class under --priority-rules (the interactive one: 0)
+PRIORITY_RULES = f"tenant:{BATCH_TENANT}={BATCH_PRIORITY}"
+TENANT_HEADER = "x-kv-sidecar-tenant"
+#: the priority workload's configurations, and each sidecar's flags besides queue_flags("queue",
+#: its reservation) (``direct`` and ``vllm-priority`` have no sidecar; ``vllm-priority`` is a
+#: vLLM of its own, started with --scheduling-policy priority)
+PRIORITY_CONFIGS = [
+    "sidecar-alone",
+    "direct",
+    "vllm-priority",
+    "sidecar-one-tenant",
+    "sidecar-tenants",
+    "sidecar-classes",
+    "sidecar-classes-worst-case",
+]
+PRIORITY_SIDECARS: dict[str, tuple[str | None, list[str]]] = {
+    "sidecar-alone": (None, []),
+    "sidecar-one-tenant": (None, []),
+    "sidecar-tenants": (None, []),
+    "sidecar-classes": (None, ["--priority-rules", PRIORITY_RULES]),
+    "sidecar-classes-worst-case": ("worst-case", ["--priority-rules", PRIORITY_RULES]),
+}
+
 
 # --- workloads ----------------------------------------------------------------------------------
 
@@ -71,6 +101,9 @@ class Request:
     turns: list[str] = field(default_factory=list)  # chat: the user messages, in order
     kind: str = ""
     stream: bool = True
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every attempt
+    #: the body's ``priority`` under ``vllm-priority`` (vLLM's own field: lower first)
+    priority: int | None = None
 
     @property
     def true_tokens(self) -> int:
@@ -345,6 +378,72 @@ def mixed_workload(model: Path, quick: bool) -> Workload:
     )
 
 
+def priority_workload(model: Path, quick: bool) -> Workload:
+    count, prompt_tokens, max_tokens, rate, stream_s, chat_tokens = (
+        PRIORITY_QUICK_SIZE if quick else PRIORITY_SIZE
+    )
+    rng = random.Random(89)
+    tok = _tokenizer(model)
+    reqs = [
+        Request(
+            0.0,
+            "/v1/completions",
+            {"prompt": p, "max_tokens": max_tokens, "ignore_eos": True},
+            kind="batch",
+            headers={TENANT_HEADER: BATCH_TENANT},
+            priority=BATCH_PRIORITY,
+        )
+        for p in make_prompts(model, count, prompt_tokens, seed=97)
+    ]
+    t = rng.expovariate(rate)
+    while t < stream_s:
+        body = {
+            "messages": [{"role": "user", "content": _words(rng, tok, rng.randint(30, 80))}],
+            "max_tokens": chat_tokens,
+            "ignore_eos": True,
+        }
+        reqs.append(
+            Request(
+                t,
+                "/v1/chat/completions",
+                body,
+                kind="interactive",
+                headers={TENANT_HEADER: INTERACTIVE_TENANT},
+                priority=0,
+            )
+        )
+        t += rng.expovariate(rate)
+    chats = len(reqs) - count
+    peak = math.ceil((prompt_tokens + max_tokens) / BLOCK_SIZE)
+    return Workload(
+        "priority",
+        "A batch tenant's burst beside an interactive tenant's stream",
+        f"{count} completions of tenant `{BATCH_TENANT}` sent at once ({prompt_tokens}-token "
+        f"prompts, max_tokens {max_tokens}, `ignore_eos`: every answer runs to max_tokens; "
+        f"{count} x {peak} = {count * peak} blocks at peak on a pool of {CAPACITY_BLOCKS}, "
+        f"{count * peak / CAPACITY_BLOCKS:.1f} times over), and beside them {chats} chats of "
+        f"tenant `{INTERACTIVE_TENANT}` arriving as a Poisson process at {rate:g}/s over "
+        f"{stream_s:g} s (a 30-80-token user message, max_tokens {chat_tokens}, `ignore_eos`); "
+        f"every request names its tenant in `{TENANT_HEADER}`, all streamed.",
+        reqs,
+    )
+
+
+def priority_variant(config: str, workload: Workload) -> Workload:
+    """What configuration ``config`` of the priority workload sends: the interactive stream
+    alone (``sidecar-alone``), no tenant header (``sidecar-one-tenant``: one tenant, the plain
+    FIFO), each request's ``priority`` in its body (``vllm-priority``), else the workload as
+    built."""
+    reqs = workload.requests
+    if config == "sidecar-alone":
+        reqs = [r for r in reqs if r.kind == "interactive"]
+    elif config == "sidecar-one-tenant":
+        reqs = [replace(r, headers={}) for r in reqs]
+    elif config == "vllm-priority":
+        reqs = [replace(r, body={**r.body, "priority": r.priority}) for r in reqs]
+    return replace(workload, requests=reqs)
+
+
 BUILDERS: dict[str, Callable[[Path, bool], Workload]] = {
     "burst": burst_workload,
     "poisson": poisson_workload,
@@ -352,4 +451,5 @@ BUILDERS: dict[str, Callable[[Path, bool], Workload]] = {
     "no-max-tokens": no_max_tokens_workload,
     "staggered": staggered_workload,
     "mixed": mixed_workload,
+    "priority": priority_workload,
 }
