@@ -7,15 +7,19 @@ ends the process at once (one line, exit 2), while a vLLM that cannot be asked y
 ``/readyz`` saying why.
 
 The burst is sized from the sidecar's budget: as many requests of 500 + 300 tokens as fit, and
-``QUEUED`` more that must wait (on the session vLLM: 8 of 7 blocks in the 59-block budget, 6
-queued).
+``QUEUED`` more that must wait (on the session vLLM: 8 requests of 7 blocks in the 59-block
+budget, 6 queued). It is sent, and the signal given, with vLLM's engine stopped
+(``tests/support/stepped.frozen_engine``), so that at the signal exactly that many run and
+that many wait, however fast the host decodes: sent to the free-running engine, a burst sized to
+the whole budget ended before its last request arrived in a fresh-clone CI run (no queue to
+signal into), and a budget for one request at a time (ce60133) still left the test to catch a
+queue that lasts a few answers with two reads of the sidecar that took seconds on a busy host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import signal
 import time
 from pathlib import Path
@@ -24,9 +28,10 @@ import httpx
 import pytest
 
 from harness.fake_vllm import FakeServer, write_model_dir
-from harness.workload import SidecarProcess, make_prompts, metric_value, one_completion
+from harness.workload import SidecarProcess, make_prompts, one_completion
 from tests.conftest import VllmInfo
 from tests.support.faultkit import ToughFake
+from tests.support.stepped import frozen_engine
 from tests.support.wait import wait_for
 
 QUEUED = 6  # requests beyond what the budget holds at once
@@ -43,11 +48,6 @@ async def test_sigterm_drains_and_exits_zero(vllm: VllmInfo) -> None:
     prompt_tokens = min(PROMPT_TOKENS, vllm.max_model_len // 2)
     max_tokens = min(MAX_TOKENS, vllm.max_model_len - prompt_tokens - 1)
     blocks_each = vllm.blocks_for(prompt_tokens + max_tokens)
-    # a budget for one request at a time, so that the burst's queue lasts several answers even
-    # where vLLM decodes an answer in under a second (a fresh-clone CI saw every request of a
-    # burst sized to the whole budget finish before the last of them arrived: no queue to see)
-    capacity = vllm.num_gpu_blocks - 1
-    headroom = 1.0 - (blocks_each + 0.5) / capacity
     sc = SidecarProcess(
         vllm.url,
         "--policy",
@@ -56,68 +56,60 @@ async def test_sigterm_drains_and_exits_zero(vllm: VllmInfo) -> None:
         str(DRAIN),
         "--drain-timeout",
         str(DRAIN),
-        "--headroom",
-        f"{headroom:.4f}",
     ).start()
     try:
-        budget = sc.state()["budget_blocks"]
-        assert budget == blocks_each, f"a budget for one request: {sc.state()}"
-        requests = math.floor(budget / blocks_each) + QUEUED
+        running = sc.state()["budget_blocks"] // blocks_each
+        assert running >= 1, sc.state()
+        requests = running + QUEUED
         prompts = make_prompts(vllm.model_dir, requests, prompt_tokens, seed=11)
         async with httpx.AsyncClient(
             timeout=300, limits=httpx.Limits(max_connections=64)
         ) as client:
-            burst = [
-                asyncio.ensure_future(
-                    one_completion(
-                        client,
-                        sc.url,
-                        p,
-                        max_tokens=max_tokens,
-                        stream=True,
-                        model=vllm.served_name,
+            with frozen_engine(vllm):
+                burst = [
+                    asyncio.ensure_future(
+                        one_completion(
+                            client,
+                            sc.url,
+                            p,
+                            max_tokens=max_tokens,
+                            stream=True,
+                            model=vllm.served_name,
+                        )
                     )
-                )
-                for p in prompts
-            ]
-            deadline = time.monotonic() + 120
-            while True:  # wait until the burst is in: some in flight, some queued
-                state = (await client.get(sc.metrics_url + "/state")).json()
-                admitted = (
-                    metric_value(
-                        (await client.get(sc.metrics_url + "/metrics")).text,
-                        "kv_sidecar_requests_total",
-                        decision="admit",
+                    for p in prompts
+                ]
+                deadline = time.monotonic() + 120
+                while True:  # every request of the burst in: what fits in flight, the rest queued
+                    state = (await client.get(sc.metrics_url + "/state")).json()
+                    if (state["in_flight"], state["queue_depth"]) == (running, QUEUED):
+                        break
+                    assert not any(t.done() for t in burst), [t.result() for t in burst if t.done()]
+                    assert time.monotonic() < deadline, (
+                        f"the burst of {requests} not in within 120 s ({running} in flight, "
+                        f"{QUEUED} queued): {state}"
                     )
-                    or 0
+                    await asyncio.sleep(0.05)
+                assert sc.proc is not None
+                signalled = time.monotonic()
+                sc.proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: httpx.get(sc.metrics_url + "/readyz", timeout=10).status_code == 503,
+                    "/readyz 503 after SIGTERM",
+                    UNREADY_WITHIN,
+                    0.05,
                 )
-                if admitted + state["queue_depth"] == requests and state["queue_depth"] > 0:
-                    break  # every request of the burst is in: some running, some queued
-                done = [t.result() for t in burst if t.done()]
-                assert time.monotonic() < deadline, (
-                    f"the burst of {requests} not all in (admitted {admitted}, some queued) "
-                    f"within 120 s: {state}, finished early: {done[:3]}"
+                ready = await client.get(sc.metrics_url + "/readyz")
+                assert ready.status_code == 503 and ready.json()["draining"] is True, ready.text
+                late = await one_completion(
+                    client, sc.url, prompts[0], max_tokens=10, stream=False, model=vllm.served_name
                 )
-                await asyncio.sleep(0.05)
-
-            assert sc.proc is not None
-            signalled = time.monotonic()
-            sc.proc.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(
-                wait_for,
-                lambda: httpx.get(sc.metrics_url + "/readyz", timeout=10).status_code == 503,
-                "/readyz 503 after SIGTERM",
-                UNREADY_WITHIN,
-                0.05,
-            )
-            ready = await client.get(sc.metrics_url + "/readyz")
-            assert ready.status_code == 503 and ready.json()["draining"] is True, ready.text
-            late = await one_completion(
-                client, sc.url, prompts[0], max_tokens=10, stream=False, model=vllm.served_name
-            )
-            assert late.status == 503
-            assert int(late.headers["retry-after"]) >= 1 and "retry-after-ms" in late.headers
-            assert (await client.get(sc.metrics_url + "/healthz")).status_code == 200
+                assert late.status == 503
+                assert int(late.headers["retry-after"]) >= 1 and "retry-after-ms" in late.headers
+                assert (await client.get(sc.metrics_url + "/healthz")).status_code == 200
+                # the signal refused none of the burst: the queued wait to start, still held
+                assert not any(t.done() for t in burst), [t.result() for t in burst if t.done()]
 
             results = await asyncio.gather(*burst)
         assert [r.status for r in results] == [200] * requests, [r.error for r in results]
