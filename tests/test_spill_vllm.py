@@ -64,9 +64,9 @@ def test_a_burst_beyond_the_budget_is_spilled_at_once_not_queued(vllm: VllmInfo)
                     asyncio.run,
                     burst(sc.url, prompts, max_tokens=MAX_TOKENS, model=vllm.served_name),
                 )
-                # every request decided while no token can be made
+                # every request decided (or queued) while no token can be made
                 wait_for(
-                    lambda: sum(counts(sc).values()) == REQUESTS,
+                    lambda: sum(counts(sc).values()) + sc.state()["queue_depth"] == REQUESTS,
                     f"the sidecar's decisions on all {REQUESTS} requests",
                     within=60,
                 )

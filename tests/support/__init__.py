@@ -26,5 +26,6 @@ and in ``fake_upstream``, which conftest registers).
   module, a fresh app per test) and ``serve_fresh``.
 - ``owners``: ``admission_owner``, the relay workers' admission owner in this process.
 - ``shapes``: the request shapes whose prompt counts are checked.
-- ``stepped``: clients on a loop of their own and a simulated engine stepped by hand.
+- ``stepped``: clients on a loop of their own and a simulated engine stepped by hand; the real
+  vLLM's engine stopped for a burst (``frozen_engine``).
 """
