@@ -80,6 +80,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "about 5 minutes",
     ),
     Benchmark(
+        "render",
+        "vLLM's render endpoints against /tokenize as the counter's upstream: a count's wall time",
+        "bench.render",
+        "about 2 minutes",
+        needs="the vLLM CPU venv",
+    ),
+    Benchmark(
         "scaling",
         "the sidecar's CPU per request against connections, prompt length and streams in flight",
         "bench.scaling.cli",

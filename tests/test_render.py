@@ -57,7 +57,7 @@ def counter_for(http: httpx.AsyncClient, url: str, **kwargs: Any) -> PromptCount
         served_model="tiny",
         tokenizer_path=None,
         max_model_len=1024,
-        render=True,
+        render="always",
         **kwargs,
     )
 
@@ -119,6 +119,33 @@ async def test_with_render_served_one_call_counts_each_endpoint(
     count = await counter.count(endpoint, body)  # type: ignore[arg-type]
     assert (count.method, count.prompts) == (CountMethod.UPSTREAM, expected)
     assert paths(fake) == [RENDER_PATHS[endpoint]]  # one call, /tokenize never asked
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "path"),
+    [
+        ("chat", {"messages": HI}, "/tokenize"),
+        ("completions", {"prompt": "a b c"}, "/tokenize"),
+        ("completions", {"prompt": ["a b c", "d e"]}, "/v1/completions/render"),
+        ("responses", {"input": "hello there my friend"}, "/v1/responses/render"),
+    ],
+    ids=["chat", "completions-one", "completions-list", "responses"],
+)
+async def test_the_product_renders_where_render_is_better(
+    fake: FakeVllm,
+    server: FakeServer,
+    http: httpx.AsyncClient,
+    endpoint: str,
+    body: dict[str, Any],
+    path: str,
+) -> None:
+    """``render="better"`` (what the sidecar runs with): render for Responses and several
+    prompts, /tokenize for a chat or one prompt, which bench.render measured cheaper there."""
+    counter = counter_for(http, server.url)
+    counter.render = "better"
+    count = await counter.count(endpoint, body)  # type: ignore[arg-type]
+    assert count.method is CountMethod.UPSTREAM
+    assert paths(fake) == [path]  # one call, to one of the two
 
 
 async def test_without_render_the_counter_uses_tokenize_and_retries_a_minute_later(

@@ -64,7 +64,7 @@ def render_counter(vllm: VllmInfo, client: httpx.AsyncClient, **kwargs: Any) -> 
         served_model=vllm.served_name,
         tokenizer_path=None,
         max_model_len=vllm.max_model_len,
-        render=True,
+        render="always",
         **kwargs,
     )
 

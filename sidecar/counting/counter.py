@@ -17,12 +17,14 @@ truncates it (:class:`~sidecar.counting.plan.Truncation`, applied here to every 
    checked against vLLM in the background (:mod:`sidecar.counting.self_check`): its render
    endpoint where it serves one, else ``/tokenize``; a shape whose counts differ (vLLM started
    with its own ``--chat-template``, say) is counted upstream from then on.
-2. ``exact_upstream``: vLLM counts it (:mod:`sidecar.counting.upstream`): its render endpoint for
-   the request's endpoint (one loopback round trip for the whole body) where vLLM serves render
-   (``--enable-scale-out``), else ``POST /tokenize`` (one round trip per prompt, concurrent for a
-   list of prompts). Used when no tokenizer is loaded, for content the tokenizer cannot expand
-   (images, audio), for request-supplied chat templates, and whenever the local path fails. A
-   400 from /tokenize is vLLM refusing the prompt: :class:`PromptError` with vLLM's message.
+2. ``exact_upstream``: vLLM counts it (:mod:`sidecar.counting.upstream`): ``POST /tokenize``
+   (one round trip per prompt, concurrent for a list of prompts), or its render endpoint for the
+   request's endpoint (one round trip for the whole body) where vLLM serves render
+   (``--enable-scale-out``) and it is the better of the two (``render``: see
+   :func:`~sidecar.counting.upstream.render_first`). Used when no tokenizer is loaded, for
+   content the tokenizer cannot expand (images, audio), for request-supplied chat templates, and
+   whenever the local path fails. A 400 from /tokenize is vLLM refusing the prompt:
+   :class:`PromptError` with vLLM's message.
 3. ``estimate``: nothing above can count it (or, after a failure, vLLM is left alone for a
    while), an upper bound (:mod:`sidecar.counting.estimate`). Shapes only render can count are
    estimates without it: completions with ``suffix``, Responses input items the sidecar does not
@@ -64,7 +66,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -86,6 +87,7 @@ from sidecar.counting.plan import (
     Truncation,
     plan_count,
 )
+from sidecar.counting.prefix_ids import hash_prompts, reads_prefix_cache, salt_value
 from sidecar.counting.render import NeedsUpstream
 from sidecar.counting.request import CountedEndpoint
 from sidecar.counting.self_check import (
@@ -97,15 +99,25 @@ from sidecar.counting.self_check import (
 from sidecar.counting.slots import DEFAULT_MAX_COUNT_WAIT_S, CountingSlots, Slot, default_slots
 from sidecar.counting.tokenizer import OFFLOAD_WORKERS, ModelTokenizer, count_locally
 from sidecar.counting.upstream import (
+    RENDER_MODES,
     RenderDeclined,
+    RenderMode,
     UpstreamUnavailable,
     VllmCounting,
+    render_first,
     renderable,
 )
 from sidecar.errors import CountingBusy, PromptError
-from sidecar.kv.prefix import BlockHashes, block_hashes
+from sidecar.kv.prefix import BlockHashes
 
-__all__ = ["CountMethod", "PromptCounter", "TokenCount"]
+__all__ = [
+    "RENDER_MODES",
+    "CountMethod",
+    "PromptCounter",
+    "RenderMode",
+    "TokenCount",
+    "render_first",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +194,9 @@ class PromptCounter:
     """Counts the prompt tokens of generation request bodies, as vLLM will.
 
     ``tokenizer_path`` is loaded in the background (it takes seconds); until it is ready, and
-    when it fails to load, counts go to vLLM: its render endpoints when ``render`` (and vLLM
-    serves them), else ``/tokenize``. Pass ``tokenizer=`` to share one already loaded.
+    when it fails to load, counts go to vLLM: ``/tokenize``, or its render endpoints where
+    ``render`` says (:data:`~sidecar.counting.upstream.RENDER_MODES`) and vLLM serves them.
+    Pass ``tokenizer=`` to share one already loaded.
     ``max_model_len`` resolves ``truncate_prompt_tokens: -1`` (pass the engine's; it is also
     learnt from ``/tokenize`` answers). The first local count of each :class:`PromptShape`,
     then one in ``self_check_every``, is compared with vLLM's (render, else /tokenize) in the
@@ -215,10 +228,13 @@ class PromptCounter:
         block_size: int | None = None,
         max_concurrent_counts: int | None = None,
         max_count_wait_s: float = DEFAULT_MAX_COUNT_WAIT_S,
-        render: bool = False,
+        render: RenderMode = "off",
     ) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens, not {block_size}")
+        if render not in RENDER_MODES:
+            raise ValueError(f"render must be one of {RENDER_MODES}, not {render!r}")
+        self.render = render
         self.block_size = block_size
         #: vLLM's counting endpoints: render, /tokenize
         self.upstream = VllmCounting(
@@ -226,7 +242,7 @@ class PromptCounter:
             upstream,
             served_model=served_model,
             timeout_s=upstream_timeout_s,
-            render=render,
+            render=render != "off",
         )
         self._served_model = served_model
         self.offload_threshold_chars = offload_threshold_chars
@@ -316,19 +332,19 @@ class PromptCounter:
         counts: Sequence[int],
     ) -> tuple[BlockHashes, ...] | None:
         block_size = self.block_size
-        if block_size is None or not _reads_prefix_cache(endpoint, body):
+        if block_size is None or not reads_prefix_cache(endpoint, body):
             return None
-        salt = (self._salt_model(body), _salt_value(body.get("cache_salt")))
+        salt = (self._salt_model(body), salt_value(body.get("cache_salt")))
         n_tokens = sum(len(t.ids) for t in tokens)
         try:
             if n_tokens <= _HASH_INLINE_TOKENS:
-                return _hash_prompts(
+                return hash_prompts(
                     tokens, counts, truncation, self.max_model_len, block_size, salt
                 )
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
                 self._pool(),
-                _hash_prompts,
+                hash_prompts,
                 tokens,
                 counts,
                 truncation,
@@ -414,9 +430,10 @@ class PromptCounter:
                     return counts, CountMethod.ESTIMATE, None
                 self._maybe_self_check(shape, endpoint, body, plan, counts)
                 return counts, CountMethod.LOCAL, tokens if want else None
-        rendered = await self._render(endpoint, body, want)
-        if rendered is not None:
-            return rendered
+        if self.render == "always" or render_first(endpoint, plan):
+            rendered = await self._render(endpoint, body, want)
+            if rendered is not None:
+                return rendered
         try:
             counts, known = await self._count_upstream(plan, want_tokens=want)
         except UpstreamUnavailable as exc:
@@ -649,47 +666,3 @@ def _load_tokenizer(path: Path) -> ModelTokenizer | None:
         return None
     logger.info("loaded the tokenizer in %s for exact local prompt counts", path)
     return tokenizer
-
-
-def _reads_prefix_cache(endpoint: CountedEndpoint, body: Mapping[str, Any]) -> bool:
-    """Whether vLLM looks the request's prompt up in its prefix cache.
-
-    Prompt logprobs make it skip the lookup (``SamplingParams.skip_reading_prefix_cache``):
-    the request computes and holds its own blocks. vLLM asks for prompt logprobs when
-    ``prompt_logprobs`` is set, and for ``echo`` with logprobs (chat's ``top_logprobs``
-    defaults to 0, so a chat ``echo`` always does).
-    """
-    if body.get("prompt_logprobs") is not None:
-        return False
-    if body.get("echo"):
-        logprobs = (
-            body.get("logprobs") if endpoint == "completions" else body.get("top_logprobs", 0)
-        )
-        return logprobs is None
-    return True
-
-
-def _salt_value(value: object) -> str | None:
-    """``cache_salt`` as a hashable key (vLLM takes a string; anything else is keyed apart)."""
-    if value is None or isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, default=str)
-
-
-def _hash_prompts(
-    tokens: Sequence[PromptTokens],
-    counts: Sequence[int],
-    truncation: Truncation,
-    max_model_len: int | None,
-    block_size: int,
-    salt: object,
-) -> tuple[BlockHashes, ...] | None:
-    """The block hashes of every prompt, truncated as vLLM truncates it; None if any prompt's
-    kept ids are unknown or disagree with its count (never a guess)."""
-    out: list[BlockHashes] = []
-    for prompt, count in zip(tokens, counts, strict=True):
-        ids = truncation.apply_ids(prompt, max_model_len)
-        if ids is None or len(ids) != count:
-            return None
-        out.append(block_hashes(ids, block_size=block_size, salt=salt))
-    return tuple(out)

@@ -40,15 +40,20 @@ from typing import Any, Literal
 
 import httpx
 
+from sidecar.counting.plan import ChatPlan, CompletionPlan
+from sidecar.counting.request import CountedEndpoint
 from sidecar.errors import PromptError, SidecarError
 
 __all__ = [
+    "RENDER_MODES",
     "RENDER_PATHS",
     "RENDER_RETRY_S",
     "RenderDeclined",
+    "RenderMode",
     "Rendered",
     "UpstreamUnavailable",
     "VllmCounting",
+    "render_first",
     "renderable",
 ]
 
@@ -67,6 +72,10 @@ RENDER_PATHS: dict[RenderEndpoint, str] = {
 SAMPLING_DEFAULT_MAX_TOKENS = 16
 #: After vLLM says it serves no render endpoint (403, 404, 405, 501), /tokenize for this long.
 RENDER_RETRY_S = 60.0
+RenderMode = Literal["off", "better", "always"]
+#: The prompt counter's ``render``: never; where :func:`render_first` says (and for shapes only
+#: render can count, and the self-check's oracle); for every count that goes to vLLM.
+RENDER_MODES: tuple[RenderMode, ...] = ("off", "better", "always")
 _RETRY_AFTER_ERROR_S = 1.0
 _RETRY_AFTER_MISSING_S = 30.0
 
@@ -103,6 +112,23 @@ def renderable(endpoint: RenderEndpoint, body: Mapping[str, Any]) -> bool:
     if body.get("use_beam_search"):
         return False
     return not (endpoint == "responses" and body.get("previous_response_id") is not None)
+
+
+def render_first(endpoint: CountedEndpoint, plan: CompletionPlan | ChatPlan) -> bool:
+    """Where render is the better way for vLLM to count (``render="better"``), measured against
+    /tokenize by ``bench.render`` (BENCHMARKS.md): Responses, which /tokenize only counts as the
+    chat this process builds of them, and completions of several text prompts (one call instead
+    of one per prompt). /tokenize counts a chat, or one prompt, alike for as little or less.
+
+    >>> from sidecar.counting.plan import plan_count
+    >>> render_first("completions", plan_count("completions", {"prompt": ["a", "b"]}))
+    True
+    >>> render_first("chat", plan_count("chat", {"messages": [{"role": "user", "content": "hi"}]}))
+    False
+    """
+    if endpoint == "responses":
+        return True
+    return isinstance(plan, CompletionPlan) and sum(isinstance(p, str) for p in plan.prompts) > 1
 
 
 class VllmCounting:

@@ -67,7 +67,7 @@ def build_counter(
     processes: int = 1,
 ) -> PromptCounter:
     """The prompt counter for ``config``: the model's tokenizer loading in the background, vLLM
-    (its render endpoints where it serves them, else ``/tokenize``) until it has, or when
+    (``/tokenize``, or its render endpoints where they serve better) until it has, or when
     ``local`` is False (the relay workers' owner decides but does not count). ``processes``
     share the pod's long-count slots (the relay workers), one each at least."""
     slots = settings.max_concurrent_counts
@@ -84,7 +84,7 @@ def build_counter(
         block_size=config.block_size if config.prefix_caching is not False else None,
         max_concurrent_counts=slots,
         max_count_wait_s=settings.max_count_wait,
-        render=True,
+        render="better",
     )
 
 
