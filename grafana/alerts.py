@@ -60,9 +60,9 @@ REJECT_SHARE = 0.1
 #: ``previous_response_id``, a completions ``suffix``) stay below it; a lost /tokenize does not.
 ESTIMATE_SHARE = 0.05
 #: Minutes KVSidecarPromptCountMismatch fires after a mismatch. A shape mismatches once per
-#: sidecar process (it is counted by /tokenize from then on, and no longer checked), so the
-#: counter moves once and the alert resolves this long after, although the shape stays on
-#: /tokenize until the sidecar restarts.
+#: sidecar process (it is counted by vLLM from then on, and no longer checked), so the
+#: counter moves once and the alert resolves this long after, although the shape stays counted
+#: by vLLM until the sidecar restarts.
 PROMPT_COUNT_MISMATCH_MINUTES = 30
 #: Minutes of CPU use above CPU_SATURATION_SHARE before KVSidecarCPUSaturated fires: long enough
 #: that a burst of long prompts to tokenize does not, short enough to catch a sidecar starved
@@ -212,13 +212,13 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
         # One mismatch is a fact, not noise: the ``for`` is a single evaluation interval.
         for_="1m",
         severity="warning",
-        summary="The sidecar's local prompt count disagrees with vLLM's /tokenize.",
+        summary="The sidecar's local prompt count disagrees with vLLM's.",
         description=(
             f"{_WHERE}: a local count of a {{{{ $labels.shape }}}} prompt differed from vLLM's "
-            f"/tokenize in the last {PROMPT_COUNT_MISMATCH_MINUTES} minutes. The sidecar counts "
-            "{{ $labels.shape }} prompts with /tokenize until it restarts (exact, but a round "
-            "trip per request): its tokenizer or chat template does not render that shape as "
-            "vLLM does."
+            f"(render or /tokenize) in the last {PROMPT_COUNT_MISMATCH_MINUTES} minutes. The "
+            "sidecar counts {{ $labels.shape }} prompts with vLLM until it restarts (exact, but "
+            "a round trip per request): its tokenizer or chat template does not render that "
+            "shape as vLLM does."
         ),
     ),
     Alert(
