@@ -204,13 +204,19 @@ class AdmissionController:
         return self._pools.committed_blocks(self.is_stale())
 
     def ends(
-        self, projection: Projection, klass: str = "", costs: EngineCosts | None = None
+        self,
+        projection: Projection,
+        klass: str = "",
+        costs: EngineCosts | None = None,
+        in_flight: int = 0,
     ) -> tuple[int, ...]:
         """Output tokens to reserve per sequence, per prompt, in the configured mode
-        (``sidecar.admission.ends``; ``costs``: the engine's, the first pool's when not given)."""
+        (``sidecar.admission.ends``; ``costs``: the engine's, the first pool's when not given;
+        ``in_flight``: the requests already in flight beside it in its pool)."""
         engine = costs if costs is not None else self.pools[0].view.costs
+        concurrency = in_flight + 1
         return tuple(
-            self.reserving.end(klass, p, m, engine)
+            self.reserving.end(klass, p, m, engine, concurrency)
             for p, m in zip(projection.prompt_tokens, projection.max_tokens, strict=True)
         )
 
@@ -242,7 +248,7 @@ class AdmissionController:
         return pool.ledger.candidate(
             ask.projection,
             streamed=ask.streamed,
-            ends=self.ends(ask.projection, ask.klass, pool.view.costs),
+            ends=self.ends(ask.projection, ask.klass, pool.view.costs, len(pool.ledger)),
             prefix=ask.prefix,
             klass=ask.klass,
         )

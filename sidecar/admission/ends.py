@@ -16,6 +16,10 @@
   such a request is that likely to use it all. A cold start (nothing known) risks
   :data:`COLD_OUTPUT_TOKENS` where a recompute is cheap and ``max_tokens`` where it is not.
 
+Beside other requests in flight, adaptive mode reserves to the pool's quantile rather than
+the request's own (``LengthLearner.pooled_bound``: the quantile of the sum of the answers in
+flight, over their number), once the class, else every class, has 32 answers.
+
 In every mode an answer past its end is expected to run to twice what it has
 (``Reservation.end``), and vLLM's preemptions widen the learned ends for a while.
 
@@ -48,15 +52,31 @@ class Ends:
         self.learner = learner
         self.risk_steps = risk_steps
 
-    def end(self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> int:
-        """Output tokens to reserve for one sequence of ``klass`` with this prompt."""
+    def end(
+        self,
+        klass: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        costs: EngineCosts,
+        concurrency: float = 1.0,
+    ) -> int:
+        """Output tokens to reserve for one sequence of ``klass`` with this prompt;
+        ``concurrency``: the requests in flight in its pool with it (adaptive mode pools their
+        risk: ``LengthLearner.pooled_bound``)."""
         if self.mode is ReservationMode.worst_case:
             return max_tokens
         if self.mode is ReservationMode.expected:
             return self.learner.end(klass, max_tokens)
-        return self._adaptive(klass, prompt_tokens, max_tokens, costs)
+        return self._adaptive(klass, prompt_tokens, max_tokens, costs, concurrency)
 
-    def _adaptive(self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> int:
+    def _adaptive(
+        self,
+        klass: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        costs: EngineCosts,
+        concurrency: float = 1.0,
+    ) -> int:
         learner = self.learner
         likely = min(max_tokens, learner.likely(klass) or COLD_OUTPUT_TOKENS)
         # the recompute a request may risk: what running it in the batch saves (measured; it
@@ -76,11 +96,20 @@ class Ends:
             # preempted, and widening it there would hold the batch back for a risk it pays for
             return min(COLD_OUTPUT_TOKENS, likely)
         bound = learner.own_bound(klass, quantile)
-        if bound is None:
+        # beside others in flight, their answers together must outrun their reservations
+        # together no more often than one alone would: mostly less than each one's quantile,
+        # more where rare long answers dominate (LengthLearner.pooled_bound)
+        pooled = learner.pooled_bound(klass, quantile, concurrency)
+        if pooled is not None:
+            bound = pooled
+        elif bound is None:
             named = not klass.endswith(":none")
             if named and learner.length_share() >= 1.0 - quantile:
                 return max_tokens
             bound = learner.global_bound(quantile)
+            pooled = learner.pooled_bound(None, quantile, concurrency)
+            if pooled is not None:
+                bound = pooled
         if bound is None:
             if quantile > COLD_QUANTILE:
                 return max_tokens
