@@ -30,6 +30,7 @@ from bench.admission.workload import (
     MAX_MODEL_LEN,
     NUM_GPU_BLOCKS,
     PRIORITY_CONFIGS,
+    PRIORITY_EXTRA_CONFIGS,
     TUNED_MAX_NUM_SEQS,
     TUNED_MAX_QUEUED,
     WATERMARK,
@@ -62,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
         "--configs",
         default=None,
         help=f"default: {','.join(CONFIGS)}; for --workloads priority (run on its own): "
-        f"{','.join(PRIORITY_CONFIGS)}",
+        f"{','.join(PRIORITY_CONFIGS)} (and, when named, {','.join(PRIORITY_EXTRA_CONFIGS)})",
     )
     parser.add_argument("--no-report", action="store_true", help="do not touch BENCHMARKS.md")
     parser.add_argument(
@@ -316,10 +317,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = cli.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w]
     # the priority workload runs on its own, on its own configurations, into its own results
-    known = PRIORITY_CONFIGS if "priority" in names else CONFIGS
+    default = PRIORITY_CONFIGS if "priority" in names else CONFIGS
+    known = [*PRIORITY_CONFIGS, *PRIORITY_EXTRA_CONFIGS] if "priority" in names else CONFIGS
     if "priority" in names and len(names) > 1:
         cli.error("--workloads priority runs on its own")
-    configs = [c for c in (args.configs or ",".join(known)).split(",") if c]
+    configs = [c for c in (args.configs or ",".join(default)).split(",") if c]
     for c in configs:
         if c not in known:
             cli.error(f"unknown configuration {c}; one of {', '.join(known)}")
@@ -433,7 +435,7 @@ def finish_priority(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, 
     runs = raw["runs"]["priority"]
     ordered = {
         c: sorted(_as_list(runs[c]), key=lambda r: r.get("repetition", 0))
-        for c in PRIORITY_CONFIGS
+        for c in [*PRIORITY_CONFIGS, *PRIORITY_EXTRA_CONFIGS]
         if c in runs
     }
     meta = raw["workloads"][0]
@@ -454,6 +456,8 @@ def finish_priority(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, 
     write_json("admission-priority" + suffix, results)
     command = "python -m bench.admission --workloads priority"
     command += " --quick" if raw["quick"] else ""
+    if set(ordered) != set(PRIORITY_CONFIGS):
+        command += " --configs " + ",".join(ordered)
     if raw.get("suffix"):
         command += f" --suffix={raw['suffix']}"
     if raw.get("repeat", 3) != 3:

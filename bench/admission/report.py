@@ -19,6 +19,7 @@ from bench.admission.workload import (
     OPTIMISTIC_PRIOR,
     PRIORITY_RULES,
     SIDECAR_CONFIGS,
+    TENANT_MAX_SHARE,
     TUNED_MAX_NUM_SEQS,
     TUNED_MAX_QUEUED,
     WATERMARK,
@@ -395,6 +396,9 @@ PRIORITY_TEXT = {
     "reservation, the default)",
     "sidecar-classes-worst-case": f"the same with `--priority-rules {PRIORITY_RULES} "
     "--reservation worst-case`",
+    "sidecar-classes-capped": f"`--priority-rules {PRIORITY_RULES} --tenant-max-share "
+    f"{TENANT_MAX_SHARE:g}` (adaptive): what one tenant may reserve capped, so that the batch "
+    "tenant never holds the whole budget",
 }
 
 
@@ -418,7 +422,7 @@ def _ratio_text(f: dict[str, Any], base: dict[str, Any], key: str) -> tuple[floa
 def priority_targets(figs: dict[str, dict[str, Any]]) -> str:
     rows = []
     alone, without = figs.get("sidecar-alone"), figs.get("sidecar-tenants")
-    for name in ("sidecar-classes", "sidecar-classes-worst-case"):
+    for name in ("sidecar-classes", "sidecar-classes-worst-case", "sidecar-classes-capped"):
         f = figs.get(name)
         if f is None:
             continue

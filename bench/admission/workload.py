@@ -78,12 +78,20 @@ PRIORITY_CONFIGS = [
     "sidecar-classes",
     "sidecar-classes-worst-case",
 ]
+#: run only when named in --configs: batch capped at TENANT_MAX_SHARE of the budget (what one
+#: tenant may reserve), so that the interactive class finds room without waiting for a batch answer
+PRIORITY_EXTRA_CONFIGS = ["sidecar-classes-capped"]
+TENANT_MAX_SHARE = 0.8
 PRIORITY_SIDECARS: dict[str, tuple[str | None, list[str]]] = {
     "sidecar-alone": (None, []),
     "sidecar-one-tenant": (None, []),
     "sidecar-tenants": (None, []),
     "sidecar-classes": (None, ["--priority-rules", PRIORITY_RULES]),
     "sidecar-classes-worst-case": ("worst-case", ["--priority-rules", PRIORITY_RULES]),
+    "sidecar-classes-capped": (
+        None,
+        ["--priority-rules", PRIORITY_RULES, "--tenant-max-share", str(TENANT_MAX_SHARE)],
+    ),
 }
 
 
