@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from sidecar.http.types import Headers
+from sidecar.http.types import ASGIApp, Headers, Message, Receive, Scope, Send
 
 #: the client's id of a request, else one the sidecar makes (and sends on to vLLM): every answer
 #: the sidecar makes itself carries it, and so does every relayed answer to a generation request
@@ -65,3 +65,40 @@ def with_request_id(
     """``response`` (status, headers, body) with ``X-Request-Id: request_id``."""
     status, headers, body = response
     return status, [*headers, (REQUEST_ID_HEADER, request_id)], body
+
+
+class RequestIdMiddleware:
+    """Every answer of the wrapped ASGI app (the metrics port's) carries ``X-Request-Id``: the
+    client's as sent, else one made here; an answer that sets its own keeps it.
+
+    >>> import asyncio
+    >>> async def app(scope, receive, send):
+    ...     await send({"type": "http.response.start", "status": 404, "headers": []})
+    ...     await send({"type": "http.response.body", "body": b""})
+    >>> sent = []
+    >>> async def send(message):
+    ...     sent.append(message)
+    >>> scope = {"type": "http", "headers": [(b"x-request-id", b"abc")]}
+    >>> asyncio.run(RequestIdMiddleware(app)(scope, None, send))
+    >>> sent[0]["headers"]
+    [(b'x-request-id', b'abc')]
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = request_id_of(scope.get("headers") or []) or new_request_id().encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                if request_id_of(headers) is None:
+                    headers.append((REQUEST_ID_HEADER, request_id))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

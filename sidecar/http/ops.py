@@ -5,7 +5,8 @@ A FastAPI app: typed response models document ``/readyz`` and ``/state`` at ``/d
 handler runs on the sidecar's event loop (``async def``), so that a scrape reads the ledger and
 the queue in one consistent moment. ``/metrics`` is rendered in slices that give the loop back
 between families (``sidecar.observability.exposition``): admission decides between them, and
-the admission gauges are still computed together, from one state.
+the admission gauges are still computed together, from one state. Every answer carries
+``X-Request-Id`` (the client's, else a new one: :class:`~sidecar.http.headers.RequestIdMiddleware`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from sidecar.admission.ask import KVState
+from sidecar.http.headers import RequestIdMiddleware
 from sidecar.observability.exposition import render
 
 
@@ -76,6 +78,8 @@ def build_ops_app(
         redoc_url=None,
         openapi_url="/openapi.json" if docs else None,
     )
+    # every answer of the port, its 404s and 405s and the admin API's refusals included
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
