@@ -391,3 +391,26 @@ def test_a_request_beside_many_in_flight_is_reserved_lower_than_one_alone() -> N
     assert ac.ends(chat(100), "chat:none", in_flight=15)[0] == crowded  # stable per load
     worst = ac.ends(chat(100, max_tokens=None))  # no class: the context's end would be worst
     assert worst[0] < MAX_MODEL_LEN - 100
+
+
+def test_beside_others_a_costly_recompute_is_reserved_to_the_pools_tail_not_max_tokens() -> None:
+    """The engine above with 64 sequences decoding: a 1,500-token prompt's recompute costs
+    ~16.5 steps, too much to risk at ``--risk-steps 0.1`` even at 0.99 for one request alone
+    (0.165 steps), so alone it is reserved to max_tokens even with 64 answers of 60-180 tokens
+    learned; beside 15 others in flight, to the pool's tail at 1 - 0.1 / 16.5 of those answers,
+    far below the context."""
+    clock = Clock()
+    ac = controller(clock, risk_steps=0.1)
+    _costly(ac, clock, per_token=3e-4, running=64)
+    for n in range(64):
+        ac.learner.observe("chat:none", 60 + (120 * n) // 63)
+    alone = ac.ends(chat(1500), "chat:none")[0]
+    beside = ac.ends(chat(1500), "chat:none", in_flight=15)[0]
+    assert alone == MAX_MODEL_LEN - 1500
+    assert 120 < beside < 240, beside
+    # a class that names its max_tokens, with none of its own, where every answer ran to it
+    named = controller(clock, risk_steps=0.1)
+    _costly(named, clock, per_token=3e-4, running=64)
+    for _ in range(64):
+        named.learner.observe("chat:none", 100, at_max=True)
+    assert named.ends(chat(1500, max_tokens=400), "chat:400", in_flight=15) == (400,)

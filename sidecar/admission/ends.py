@@ -42,6 +42,9 @@ from sidecar.config import ReservationMode
 COLD_OUTPUT_TOKENS = 256
 #: ... as long as the quantile the recompute's cost asks for is at most this one
 COLD_QUANTILE = 0.9
+#: the highest quantile the pool's answers are reserved to where a recompute costs more than
+#: one request alone may risk even at 0.99 (beyond it the expansion and 32 answers say little)
+MAX_POOLED_QUANTILE = 0.999
 
 
 class Ends:
@@ -82,13 +85,17 @@ class Ends:
         # the recompute a request may risk: what running it in the batch saves (measured; it
         # may then be reserved to the median), at least --risk-steps
         gain = costs.gain_steps(likely)
+        recompute = costs.recompute_steps(prompt_tokens + likely)
+        risk = max(self.risk_steps, gain)
         quantile = reserve_quantile(
-            costs.recompute_steps(prompt_tokens + likely),
-            risk_steps=max(self.risk_steps, gain),
+            recompute,
+            risk_steps=risk,
             quantiles=GAIN_QUANTILES if gain > self.risk_steps else QUANTILES,
         )
         if quantile is None:
-            return max_tokens
+            # too costly a recompute for one request alone even at 0.99; beside others, the
+            # pool's answers together may still outrun rarely enough: at 1 - risk / recompute
+            return self._pooled_tail(klass, 1.0 - risk / recompute, max_tokens, concurrency)
         if quantile == SURE:
             # running it now saves more than its recompute would cost even if vLLM preempts it:
             # risk it as vLLM does, from the floor, widened as it decodes (Reservation.end). Not
@@ -115,6 +122,24 @@ class Ends:
                 return max_tokens
             bound = COLD_OUTPUT_TOKENS
         return learner.boosted(min(bound, max_tokens), max_tokens)
+
+    def _pooled_tail(self, klass: str, quantile: float, max_tokens: int, concurrency: float) -> int:
+        """Where one request alone would be reserved to ``max_tokens``: beside others in flight,
+        the pool's quantile (``LengthLearner.pooled_bound``) at ``quantile`` (at most
+        :data:`MAX_POOLED_QUANTILE`), from the class's answers, else every class's; still
+        ``max_tokens`` alone, with fewer than 32 answers, or for a class that names its
+        max_tokens with none of its own while answers run to it that often."""
+        learner = self.learner
+        quantile = min(MAX_POOLED_QUANTILE, quantile)
+        pooled = learner.pooled_bound(klass, quantile, concurrency)
+        if pooled is None:
+            named = not klass.endswith(":none")
+            if named and learner.length_share() >= 1.0 - quantile:
+                return max_tokens
+            pooled = learner.pooled_bound(None, quantile, concurrency)
+        if pooled is None:
+            return max_tokens
+        return learner.boosted(min(pooled, max_tokens), max_tokens)
 
     def per_class(self, costs: EngineCosts) -> dict[str, int]:
         """What each class seen reserves for a short prompt (``kv_sidecar_expected_output_
