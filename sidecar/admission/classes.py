@@ -97,8 +97,9 @@ def _header_priority(text: str) -> int:
     return _priority(int(stripped), f"the {PRIORITY_HEADER.decode()} header")
 
 
-def tenant_of(tenant_header: str | None, api_key: str | None) -> str:
-    """The request's tenant (module docstring); a malformed header is a 400."""
+def tenant_of(tenant_header: str | None, digest: str | None) -> str:
+    """The request's tenant (module docstring; ``digest``: its API key's, :func:`key_digest`);
+    a malformed header is a 400."""
     if tenant_header is not None:
         tenant = tenant_header.strip()
         if not _TENANT.fullmatch(tenant):
@@ -108,7 +109,7 @@ def tenant_of(tenant_header: str | None, api_key: str | None) -> str:
                 code="invalid_tenant",
             )
         return tenant
-    return key_digest(api_key) if api_key is not None else ""
+    return digest if digest is not None else ""
 
 
 def _ruled(
@@ -135,11 +136,11 @@ def classify(
     rules: Sequence[PriorityRule] = (),
 ) -> tuple[int, str]:
     """The request's priority and tenant (module docstring); a malformed value is a 400."""
-    tenant = tenant_of(tenant_header, api_key)
+    digest = key_digest(api_key) if api_key is not None else None  # once per request
+    tenant = tenant_of(tenant_header, digest)
     if "priority" in body:
         return _priority(body["priority"], "priority"), tenant
     if priority_header is not None:
         return _header_priority(priority_header), tenant
-    digest = key_digest(api_key) if api_key is not None else None
     ruled = _ruled(rules, body.get("model"), tenant, digest)
     return (ruled if ruled is not None else 0), tenant
