@@ -101,6 +101,7 @@ class Sidecar:
             tenant_shares=parse_tenant_shares(settings.tenant_shares),
             tenant_max_share=settings.tenant_max_share,
             tenant_max_queue=settings.tenant_max_queue,
+            priority_reserve=settings.priority_reserve,
         )
         self.lengths = (
             LengthsSaver(settings.lengths_file, self.admission.learner)

@@ -234,6 +234,13 @@ class Settings(BaseSettings):
     KIND is model (a glob over the model name, LoRA adapters included), tenant (a glob) or key
     (a prefix of the hex SHA-256 of the API key: printf %s KEY | sha256sum). Lower is served
     first. Unset: priority 0."""
+    priority_reserve: float = Field(default=0.1, ge=0, lt=1)
+    """Share of the KV budget kept for requests of priority 0 (vLLM's default) and better: a
+    request of a positive priority (a batch class) may not take the last of it while others run,
+    so that an interactive request finds room at once beside a batch burst instead of waiting
+    for a batch answer to end (the sidecar never stops a running request). Room those requests
+    hold themselves counts against it; into a pool with nothing else in flight any request may
+    go. It changes nothing while no request has a positive priority. 0: no reserve."""
     tenant_shares: str | None = None
     """Inside a priority, tenants (the x-kv-sidecar-tenant header, else the API key's digest)
     share the KV cache by weight: comma-separated TENANT=SHARE. Unset: every tenant 1."""

@@ -156,6 +156,88 @@ async def test_shares_weigh_the_tenants_use() -> None:
     assert w.order == ["gold"]
 
 
+BATCH = 10  # a positive priority: below vLLM's default, kept out of --priority-reserve
+
+
+def admit_all(ac: AdmissionController, priority: int, n: int) -> list[Reservation | None]:
+    """Try ``n`` requests of ``priority`` at once; each one's reservation, None where it waits."""
+    out = []
+    for _ in range(n):
+        d = ac.try_admit(Ask(proj(), streamed=True, priority=priority))
+        out.append(None if d is None else d.reservation)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("reserve", "batch_admitted", "chat_admitted"),
+    [
+        (0.0, 7, False),  # no reserve: the batch burst takes every block, the chat waits
+        (0.1, 7, False),  # 6 blocks kept: 7 x 8 = 56 still leaves them free, the chat needs 8
+        (0.25, 6, True),  # 15 kept: the seventh batch request waits, the chat goes at once
+        (0.5, 4, True),  # 31 kept: 4 x 8 = 32 <= 63 - 31, a fifth would pass it
+    ],
+)
+async def test_the_priority_reserve_keeps_room_for_priority_zero_beside_a_batch_burst(
+    reserve: float, batch_admitted: int, chat_admitted: bool
+) -> None:
+    clock = Clock()
+    ac = controller(clock, priority_reserve=reserve)
+    batch = admit_all(ac, BATCH, 8)
+    assert sum(r is not None for r in batch) == batch_admitted
+    assert ac.reserve_blocks(ac.pools[0], BATCH) == int(63 * reserve)
+    chat = ac.try_admit(Ask(proj(), streamed=True, priority=0))
+    assert (chat is not None and chat.admitted) is chat_admitted
+
+
+async def test_what_priority_zero_holds_counts_against_the_reserve_until_it_ends() -> None:
+    clock = Clock()
+    ac = controller(clock, priority_reserve=0.25)  # 15 of the 63 blocks kept
+    chats = admit_all(ac, 0, 2)  # 16 blocks: the reserve is used up by those it is for
+    assert all(chats) and ac.reserve_blocks(ac.pools[0], BATCH) == 0
+    assert ac.reserve_blocks(ac.pools[0], 0) == 0  # never held from priority 0 itself
+    batch = admit_all(ac, BATCH, 6)
+    assert sum(r is not None for r in batch) == 5  # 16 + 5 x 8 = 56; a sixth would be 64
+    first = chats[0]
+    assert first is not None
+    ac.release(first)
+    assert ac.reserve_blocks(ac.pools[0], BATCH) == 15 - 8  # the other chat still holds 8
+    # 48 held, 7 kept: one batch request takes 8 of the 15 free, a second would eat the reserve
+    again = ac.try_admit(Ask(proj(), streamed=True, priority=BATCH))
+    assert again is not None and again.admitted
+    assert ac.try_admit(Ask(proj(), streamed=True, priority=BATCH)) is None
+
+
+async def test_a_better_priority_than_zero_uses_the_reserve_and_an_empty_pool_takes_anyone() -> (
+    None
+):
+    clock = Clock()
+    ac = controller(clock, priority_reserve=0.9)  # 56 of 63 kept: one batch request is 8
+    alone = ac.try_admit(Ask(proj(), streamed=True, priority=BATCH))
+    assert alone is not None and alone.admitted  # nothing else runs: the reserve holds nothing
+    assert ac.try_admit(Ask(proj(), streamed=True, priority=BATCH)) is None
+    urgent = ac.try_admit(Ask(proj(), streamed=True, priority=-3))
+    assert urgent is not None and urgent.admitted
+
+
+async def test_a_batch_requests_wait_counts_the_reserve() -> None:
+    clock = Clock()
+    plain = controller(clock)
+    kept = controller(clock, priority_reserve=0.25)  # 15 kept: 63 - 15 = 48 for the batch
+    for ac in (plain, kept):
+        for res in admit_all(ac, BATCH, 6):  # 48 blocks: both let the batch burst run this far
+            assert res is not None
+            ac.started(res)
+    ask = Ask(proj(), streamed=True, priority=BATCH)
+    # room for one more without the reserve; under it, the steps until one of the six ends
+    (now,) = plain.expected_waits(ask)
+    (later,) = kept.expected_waits(ask)
+    assert now.steps == 0
+    assert later.steps is not None and later.steps > 0
+    # a chat is not held by the reserve: it would start now in either
+    (chat,) = kept.expected_waits(Ask(proj(), streamed=True, priority=0))
+    assert chat.steps == 0
+
+
 async def test_a_tenant_at_its_cap_waits_while_another_is_admitted_past_it() -> None:
     clock = Clock()
     ac = controller(clock, tenant_max_share=0.5)  # 31 of the 63 blocks
@@ -327,6 +409,8 @@ def test_the_api_key_is_never_kept_only_its_digest() -> None:
         ("--tenant-shares", "a=0", "positive SHARE"),
         ("--tenant-shares", "=2", "positive SHARE"),
         ("--tenant-max-share", "0", "greater than 0"),
+        ("--priority-reserve", "1", "less than 1"),
+        ("--priority-reserve", "-0.1", "greater than or equal to 0"),
     ],
 )
 def test_bad_class_settings_are_refused_at_start(flag: str, value: str, said: str) -> None:

@@ -85,6 +85,7 @@ class AdmissionController:
         tenant_shares: dict[str, float] | None = None,
         tenant_max_share: float = 1.0,
         tenant_max_queue: int | None = None,
+        priority_reserve: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = Policy(policy)
@@ -110,6 +111,10 @@ class AdmissionController:
             budget=self.budget_blocks,
         )
         self.tenant_max_queue = tenant_max_queue  # requests one tenant may have queued
+        #: share of each pool's budget a request of a positive priority may not take
+        #: (``--priority-reserve``), less what priority 0 and better hold there themselves
+        self.priority_reserve = priority_reserve
+        self._favoured: dict[str, int] = {}  # engine -> blocks reserved by priority <= 0
         self._queue = WaitQueue(self._admit_head, clock=clock, tenants=self.tenants)
         self.class_stats = ClassStats()  # decisions and waits per priority and tenant
         self._snapshot: EngineSnapshot | None = None
@@ -220,13 +225,26 @@ class AdmissionController:
             for p, m in zip(projection.prompt_tokens, projection.max_tokens, strict=True)
         )
 
-    def _fits(self, pool: Pool, candidate: Reservation, stale: bool) -> bool:
+    def reserve_blocks(self, pool: Pool, priority: int) -> int:
+        """Blocks of ``pool``'s budget a request of ``priority`` may not take: for a positive
+        priority, ``--priority-reserve`` of the budget less what priority 0 and better reserve
+        there now; none for the others."""
+        if priority <= 0 or self.priority_reserve <= 0:
+            return 0
+        budget = budget_blocks(pool.view.capacity_blocks, self.headroom)
+        if budget is None:
+            return 0
+        kept = int(budget * self.priority_reserve)
+        return max(0, kept - self._favoured.get(pool.engine, 0))
+
+    def _fits(self, pool: Pool, candidate: Reservation, stale: bool, priority: int = 0) -> bool:
         if not fits(
             pool.ledger,
             candidate,
             pool_state(pool, stale),
             headroom=self.headroom,
             strict=self.reservation_mode is ReservationMode.worst_case,
+            reserve_blocks=self.reserve_blocks(pool, priority),
         ):
             return False
         if self.tpot_target is not None:
@@ -280,12 +298,12 @@ class AdmissionController:
         pools = self._eligible(ask, stale)
         if ask.pin is None and not ask.pinnable and len(pools) > 1:
             placed = [(p, self._candidate(p, ask)) for p in pools]
-            if all(self._fits(p, c, stale) for p, c in placed):
+            if all(self._fits(p, c, stale, ask.priority) for p, c in placed):
                 return placed[0][0], placed[0][1], placed[1:]
             return None
         for pool in pools:
             candidate = self._candidate(pool, ask)
-            if self._fits(pool, candidate, stale):
+            if self._fits(pool, candidate, stale, ask.priority):
                 return pool, candidate, []
         return None
 
@@ -302,9 +320,15 @@ class AdmissionController:
         res.tenant = ask.tenant
         res.tenant_blocks = res.reserved_blocks
         self.tenants.hold(ask.tenant, res.tenant_blocks)
+        res.priority = ask.priority
         for other, shadow in shadows:
             other.ledger.add(shadow).engine = other.engine
+            shadow.priority = ask.priority
+            shadow.tenant_blocks = shadow.reserved_blocks
             res.shadows.append(shadow)
+        if ask.priority <= 0:
+            for one in (res, *res.shadows):
+                self._favoured[one.engine] = self._favoured.get(one.engine, 0) + one.tenant_blocks
         return res
 
     def _refuse(self, reason: Reason, message: str, ask: Ask, waited: float = 0.0) -> Decision:
@@ -486,6 +510,13 @@ class AdmissionController:
             at_max = per_sequence >= min(res.projection.max_tokens, default=0)
             self.learner.observe(res.klass, per_sequence, at_max=at_max)
         self.tenants.free(res.tenant, res.tenant_blocks)
+        if res.priority <= 0:
+            for one in (res, *res.shadows):
+                left = self._favoured.get(one.engine, 0) - one.tenant_blocks
+                if left > 0:
+                    self._favoured[one.engine] = left
+                else:
+                    self._favoured.pop(one.engine, None)
         self._pools.release(res)
         self._queue.pump()
 
@@ -501,10 +532,14 @@ class AdmissionController:
         return self._retry_in(soonest, ask, book=True)
 
     def _retry_in(self, pool: Pool, ask: Ask, *, book: bool) -> float:
+        headroom = self.headroom
+        kept, capacity = self.reserve_blocks(pool, ask.priority), pool.view.capacity_blocks
+        if kept and capacity:  # the reserve is the candidate's headroom too
+            headroom += kept / capacity
         return retry_in(
             pool,
             *self._behind(pool, ask),
-            headroom=self.headroom,
+            headroom=headroom,
             book=book,
             key=ask.key,
             likely=self.learner.likely,
@@ -528,6 +563,7 @@ class AdmissionController:
                 estimates.append(Estimate(None, None))
                 continue
             behind = self._behind(pool, ask)
+            budget -= self.reserve_blocks(pool, ask.priority)
             estimates.append(
                 expected_wait(pool, *behind, budget=budget, likely=self.learner.likely)
             )

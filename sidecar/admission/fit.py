@@ -89,13 +89,21 @@ def in_flight_peak(ledger: Ledger, *extra: Reservation, worst_case: bool = False
 
 
 def fits(
-    ledger: Ledger, candidate: Reservation, pool: PoolState, *, headroom: float, strict: bool
+    ledger: Ledger,
+    candidate: Reservation,
+    pool: PoolState,
+    *,
+    headroom: float,
+    strict: bool,
+    reserve_blocks: int = 0,
 ) -> bool:
     """Whether ``candidate`` fits in the pool now (``strict``: worst-case mode, where every
-    request runs to its reserved end and no further)."""
-    budget = budget_blocks(pool.capacity_blocks, headroom)
-    if budget is None:
+    request runs to its reserved end and no further; ``reserve_blocks``: blocks of the budget
+    the candidate may not take, kept for better priorities, none into an empty pool)."""
+    full = budget_blocks(pool.capacity_blocks, headroom)
+    if full is None:
         return True  # nothing known yet (fail-open start-up): vLLM is the only judge
+    budget = full if len(ledger) == 0 else full - max(0, reserve_blocks)
     prompt = candidate.projection.prompt_blocks
     exact = candidate.projection.exact
     if exact and (strict or ledger.overruns == 0):
@@ -108,7 +116,7 @@ def fits(
         # an upper-bound estimate must not make a request unrunnable: one over the budget runs
         # when nothing else does
         alone = future_peak(ledger.trajectories([candidate], in_flight=False), ledger.blocks)
-        if alone > budget:
+        if alone > full:
             return len(ledger) == 0 and pool.external_blocks == 0
     # the kept bounds first, coarse then fine: while streams advance they settle most decisions
     # without a pass over the profile or a rebuild

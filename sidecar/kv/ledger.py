@@ -63,7 +63,10 @@ class Reservation:
     released: bool = field(default=False)
     engine: str = ""  # the data-parallel engine (its pool) the request was admitted on
     tenant: str = ""  # whose fair share it draws on (``sidecar.admission.tenants``)
-    tenant_blocks: int = 0  # the blocks held for it in its tenant's use, until it ends
+    #: its blocks at admission, held in its tenant's use (and, at priority 0 or better, in
+    #: what ``--priority-reserve`` counts as theirs) until it ends
+    tenant_blocks: int = 0
+    priority: int = 0  # its priority (lower first): priority 0 and better may use the reserve
     overran: bool = False  # it has generated its reserved end: its trajectory may pass its peak
     #: the same request reserved in the other engines' pools, when it cannot be sent to one
     #: engine (vLLM's coordinator then picks, and it may pick any)
