@@ -338,7 +338,13 @@ def test_status_prints_a_served_sidecar_and_a_change_applies_to_every_worker(
             for _ in range(40):
                 sent += 1
                 refused = client.post(
-                    "/v1/completions", json=body(900), headers={"connection": "close"}
+                    "/v1/completions",
+                    json=body(900),
+                    headers={
+                        "connection": "close",
+                        "x-kv-sidecar-tenant": "etl",
+                        "x-kv-sidecar-priority": "5",
+                    },
                 )
                 assert refused.status_code == 413, refused.text
                 assert refused.json()["error"]["code"] == "kv_budget_exceeded"
@@ -369,6 +375,8 @@ def test_status_prints_a_served_sidecar_and_a_change_applies_to_every_worker(
         assert lines["queue"] == "queue     empty (limits: 7 requests, 12.0 s)", out
         assert "headroom 0.9," in lines["settings"] and "admin API on" in lines["settings"], out
         assert f"since start: too_large {sent}" in lines["refused"], out
+        assert lines["priority"] == f"priority  5: 0 admitted, {sent} refused", out
+        assert lines["tenants"] == f"tenants   etl: 0 admitted, {sent} refused", out
         assert "Traceback" not in proc.stderr
         as_json = status(sc.metrics_url.removeprefix("http://"), "--json")
         assert as_json.returncode == 0, as_json.stderr

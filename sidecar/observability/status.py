@@ -4,7 +4,9 @@
 writes what they say in a few lines: readiness, the KV pool (capacity, the admission budget,
 what vLLM holds, what the ledger predicts, what is committed and what is still free to promise),
 the requests in flight, the queue (depth, oldest wait, its limits), the settings, the learned
-answer lengths per request class and the refusals by reason (the last minute, and since start).
+answer lengths per request class, the decisions and the queue per priority and per tenant (once
+a request has had a priority other than 0 or a tenant) and the refusals by reason (the last
+minute, and since start).
 A sidecar that cannot be reached, or that answers something other than JSON, is a
 :class:`StatusError` (one line).
 
@@ -18,6 +20,20 @@ pool      1,000 blocks; budget 950: 600 committed, 350 free to promise; vLLM hol
           ledger predicts 410
 in flight 4 requests, 700 blocks reserved at their peaks
 queue     empty
+refused   in the last 60 s: queue_full 2; since start: queue_full 5
+
+With priorities or tenants, the decisions and the queue of each:
+
+>>> state = {**state, "class_decisions": {"0,chat,admit": 40, "10,batch,admit": 12,
+...          "10,batch,reject": 3}, "class_queued": {"10,batch": 5},
+...          "class_oldest_wait": {"10": 4.25}, "class_waited": {"10": [30.0, 12]}}
+>>> print(render(state, {"ready": True}, "http://sc:9091"))
+... # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
+kv-sidecar at http://sc:9091: ready
+...
+priority  0: 40 admitted; 10: 12 admitted, 3 refused, 5 queued now (the oldest for 4.2 s),
+          mean queue wait 2.5 s
+tenants   chat: 40 admitted; batch: 12 admitted, 3 refused, 5 queued now
 refused   in the last 60 s: queue_full 2; since start: queue_full 5
 """
 
@@ -83,6 +99,73 @@ def _seconds(value: Any) -> str:
     return f"{value:.1f} s" if isinstance(value, int | float) else "?"
 
 
+def _split(key: str, parts: int) -> list[str] | None:
+    """A class key of /state (``priority,tenant[,decision]``: a tenant has no comma); None
+    when it is not one."""
+    out = key.split(",")
+    return out if len(out) == parts else None
+
+
+def _class_rows(state: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Per priority (admitted, refused, queued now with the oldest wait, the mean queue wait)
+    and per tenant (admitted, refused, queued now): shown once a request has had a priority
+    other than 0 or a tenant."""
+    decisions: Mapping[str, int] = state.get("class_decisions") or {}
+    queued: Mapping[str, int] = state.get("class_queued") or {}
+    oldest: Mapping[str, float] = state.get("class_oldest_wait") or {}
+    waited: Mapping[str, Any] = state.get("class_waited") or {}
+    by_priority: dict[str, dict[str, int]] = {}
+    by_tenant: dict[str, dict[str, int]] = {}
+    for key, count in decisions.items():
+        split = _split(key, 3)
+        if split is None:
+            continue
+        priority, tenant, decision = split
+        for table, name in ((by_priority, priority), (by_tenant, tenant)):
+            row = table.setdefault(name, {})
+            row[decision] = row.get(decision, 0) + count
+    for key, count in queued.items():
+        split = _split(key, 2)
+        if split is None:
+            continue
+        for table, name in ((by_priority, split[0]), (by_tenant, split[1])):
+            row = table.setdefault(name, {})
+            row["queued"] = row.get("queued", 0) + count
+    if set(by_priority) <= {"0"} and set(by_tenant) <= {"none"}:
+        return []
+
+    def said(row: Mapping[str, int]) -> list[str]:
+        parts = [f"{_n(row.get('admit', 0))} admitted"]
+        if row.get("reject"):
+            parts.append(f"{_n(row['reject'])} refused")
+        if row.get("cancel"):
+            parts.append(f"{_n(row['cancel'])} cancelled")
+        if row.get("queued"):
+            parts.append(f"{_n(row['queued'])} queued now")
+        return parts
+
+    def order(name: str) -> tuple[int, float, str]:
+        try:
+            return (0, float(name), name)
+        except ValueError:
+            return (1, 0.0, name)  # "other" after the numbers
+
+    priorities = []
+    for name in sorted(by_priority, key=order):
+        parts = said(by_priority[name])
+        if name in oldest and by_priority[name].get("queued"):
+            parts[-1] += f" (the oldest for {_seconds(oldest[name])})"
+        total_count = waited.get(name)
+        if isinstance(total_count, list | tuple) and len(total_count) == 2 and total_count[1]:
+            parts.append(f"mean queue wait {_seconds(total_count[0] / total_count[1])}")
+        priorities.append(f"{name}: " + ", ".join(parts))
+    tenants = [
+        f"{name}: " + ", ".join(said(row))
+        for name, row in sorted(by_tenant.items(), key=lambda kv: -kv[1].get("admit", 0))
+    ]
+    return [("priority", "; ".join(priorities)), ("tenants", "; ".join(tenants))]
+
+
 def render(state: Mapping[str, Any], ready: Mapping[str, Any], url: str) -> str:
     """The state in lines of ``label  text``."""
     rows: list[tuple[str, str]] = []
@@ -135,6 +218,7 @@ def render(state: Mapping[str, Any], ready: Mapping[str, Any], url: str) -> str:
     if lengths:
         listed = ", ".join(f"{k} {_n(v)}" for k, v in sorted(lengths.items()))
         rows.append(("lengths", f"output tokens reserved per sequence: {listed}"))
+    rows.extend(_class_rows(state))
     if "refusals_total" in state:
         seconds = state.get("refusals_recent_seconds") or 0
         rows.append(
