@@ -31,6 +31,7 @@ from sidecar.counting import CountMethod, ModelTokenizer, PromptCounter, PromptS
 from sidecar.counting.upstream import RENDER_PATHS, RENDER_RETRY_S, VllmCounting
 from sidecar.kv.prefix import block_hashes
 from tests.support.fake_upstream import serve_fresh
+from tests.support.stack import run_sidecar
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-0.32.0-cpu"
 HI = [{"role": "user", "content": "hello there my friend"}]
@@ -333,3 +334,27 @@ async def _wait_checks(counter: PromptCounter) -> None:
 def test_vllm_counting_without_an_upstream_is_not_configured() -> None:
     counting = VllmCounting(None, None, served_model=None, timeout_s=1.0)
     assert not counting.configured and not counting.render_ready()
+
+
+# --- the max_tokens vLLM resolved, in the projection ---------------------------------------------
+
+
+async def test_a_rendered_request_is_projected_with_the_max_tokens_vllm_resolved(
+    upstream: FakeServer,
+) -> None:
+    """vLLM started with a cap the sidecar was not told of (``max_tokens_cap``: vLLM's
+    ``override_max_tokens``, which caps even a request's own max_tokens): completions of two
+    prompts (counted by render) asking for 200 tokens each are projected to vLLM's 77 each;
+    one prompt, counted by /tokenize, keeps the sidecar's own rule (no cap known: 200)."""
+    async with run_sidecar(upstream) as stack:
+        stack.fake.scale_out = True
+        stack.fake.max_tokens_cap = 77
+        two = {"model": "tiny", "prompt": ["a b c", "d e"], "max_tokens": 200}
+        resp = await stack.client.post("/v1/completions", json=two)
+        assert resp.status_code == 200, resp.text
+        assert stack.sample("kv_sidecar_request_max_tokens_count") == 2
+        assert stack.sample("kv_sidecar_request_max_tokens_sum") == 2 * 77
+        one = {"model": "tiny", "prompt": "a b c", "max_tokens": 200}
+        assert (await stack.client.post("/v1/completions", json=one)).status_code == 200
+        assert stack.sample("kv_sidecar_request_max_tokens_count") == 3
+        assert stack.sample("kv_sidecar_request_max_tokens_sum") == 2 * 77 + 200

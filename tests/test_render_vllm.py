@@ -6,13 +6,14 @@
 * ``/v1/messages`` (Anthropic's shape), which ``/tokenize`` cannot take: render's count equals
   vLLM's ``usage.input_tokens``;
 * the ``max_tokens`` render resolves is the one vLLM generates up to (a chat without one: the
-  rest of the context);
+  rest of the context), and, for every shape, the one the sidecar's own rule projects;
 * the self-check of local counts asks render and agrees on every self-checked shape.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +21,10 @@ import httpx
 import pytest
 
 from sidecar.counting import CountMethod, ModelTokenizer, PromptCounter, PromptShape
-from sidecar.counting.upstream import VllmCounting
+from sidecar.counting.request import parse_generation
+from sidecar.counting.upstream import RenderDeclined, VllmCounting
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.projection import project_counts
 from tests.conftest import VllmInfo
 from tests.support.external import unless_external
 from tests.support.shapes import SHAPES
@@ -111,6 +115,46 @@ async def test_render_counts_every_shape_as_vllm_uses_it(
     # the prefix's block hashes come from render's ids: the ones the local tokenizer makes
     assert by_render.prefix == by_local.prefix
     assert by_render.total == await usage_of(vllm, client, endpoint, request)
+
+
+@pytest.mark.parametrize(("endpoint", "body"), [s[1:] for s in SHAPES], ids=[s[0] for s in SHAPES])
+async def test_the_max_tokens_render_resolves_is_the_sidecars_projection(
+    vllm: VllmInfo,
+    render_served: None,
+    client: httpx.AsyncClient,
+    endpoint: str,
+    body: dict[str, Any],
+) -> None:
+    """Every shape as its client sent it (most without max_tokens): the max_tokens vLLM
+    resolves for each prompt is what the sidecar's own rule (``project_counts``, vLLM 0.32's
+    ``get_max_tokens``) projects from the same counts, so the projection agrees with vLLM
+    where render is not asked too."""
+    counting = VllmCounting(client, vllm.url, served_model=vllm.served_name, timeout_s=30)
+    raw = json.dumps({"model": vllm.served_name, **body}).encode()
+    request = parse_generation(endpoint, raw)  # type: ignore[arg-type]
+
+    def own(counts: tuple[int, ...]) -> tuple[int, ...]:
+        return project_counts(
+            counts,
+            requested_max_tokens=request.requested_max_tokens,
+            n=1,
+            max_model_len=vllm.max_model_len,
+            blocks=UniformBlocks(16),
+        ).max_tokens
+
+    try:
+        rendered = await counting.render(endpoint, body)  # type: ignore[arg-type]
+    except RenderDeclined as exc:
+        # a prompt truncated to the whole context leaves no output token: vLLM refuses it
+        # ("max_tokens must be at least 1, got 0"), and so does its generating endpoint
+        assert "max_tokens must be at least 1, got 0" in str(exc), exc
+        sent = await client.post(vllm.url + PATHS[endpoint], content=raw)
+        assert sent.status_code == 400, sent.text
+        counted = await render_counter(vllm, client).count(endpoint, body)  # type: ignore[arg-type]
+        assert min(own(counted.prompts)) == 0  # what the sidecar projects for it
+        return
+    resolved = tuple(r.max_tokens for r in rendered)
+    assert own(tuple(len(r.ids) for r in rendered)) == resolved
 
 
 async def test_messages_render_counts_what_vllm_uses(

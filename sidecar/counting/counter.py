@@ -73,7 +73,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import httpx
 
@@ -155,6 +155,10 @@ class TokenCount:
     method: CountMethod
     seconds: float
     prefix: tuple[BlockHashes, ...] | None = None
+    #: the ``max_tokens`` vLLM resolved for each prompt, when its render endpoint counted them
+    #: (its ``get_max_tokens`` of the request, the generation config and the context); None:
+    #: not rendered, and the projection resolves it as vLLM 0.32 does
+    max_tokens: tuple[int, ...] | None = None
 
     @property
     def total(self) -> int:
@@ -165,9 +169,14 @@ class TokenCount:
         return self.method is not CountMethod.ESTIMATE
 
 
-#: The untruncated counts of a plan, how they were made, and the tokens behind them (None:
-#: not known, or not asked for).
-_Counted = tuple[Sequence[int], CountMethod, Sequence[PromptTokens] | None]
+class _Counted(NamedTuple):
+    """The untruncated counts of a plan, how they were made, the tokens behind them (None: not
+    known, or not asked for) and, when vLLM rendered them, the max_tokens it resolved."""
+
+    counts: Sequence[int]
+    method: CountMethod
+    tokens: Sequence[PromptTokens] | None
+    max_tokens: tuple[int, ...] | None = None
 
 
 class _RateLimitedWarning:
@@ -295,7 +304,7 @@ class PromptCounter:
         tokens: Sequence[PromptTokens] | None = None
         try:
             plan = plan_count(endpoint, body)
-            counts, method, tokens = await self._count(endpoint, body, plan)
+            counts, method, tokens, max_tokens = await self._count(endpoint, body, plan)
         except (PromptError, CountingBusy):
             raise
         except Exception as exc:
@@ -307,7 +316,7 @@ class PromptCounter:
                 exc,
             )
             counts = plan.estimate() if plan is not None else (estimate_anything(body),)
-            method = CountMethod.ESTIMATE
+            method, max_tokens = CountMethod.ESTIMATE, None
         prefix = None
         if plan is not None:
             if plan.truncation.keep == -1 and self.max_model_len is None:
@@ -319,7 +328,7 @@ class PromptCounter:
             counts = plan.truncation.apply_all(counts, self.max_model_len)
             if tokens is not None and method is not CountMethod.ESTIMATE:
                 prefix = await self._prefix(endpoint, body, plan.truncation, tokens, counts)
-        return TokenCount(tuple(counts), method, time.perf_counter() - started, prefix)
+        return TokenCount(tuple(counts), method, time.perf_counter() - started, prefix, max_tokens)
 
     # -- the prefix: chain hashes of the full blocks vLLM will cache -----------------------------
 
@@ -387,14 +396,18 @@ class PromptCounter:
                 "cannot count %s exactly; using an upper-bound estimate",
                 plan.reason,
             )
-            return plan.estimate(), CountMethod.ESTIMATE, None
+            return _Counted(plan.estimate(), CountMethod.ESTIMATE, None)
         if isinstance(plan, ChatPlan) and plan.reused_ids is not None:
             reused = plan.reused_ids
-            return (len(reused),), CountMethod.LOCAL, [PromptTokens(reused)] if want else None
+            return _Counted(
+                (len(reused),), CountMethod.LOCAL, [PromptTokens(reused)] if want else None
+            )
         if isinstance(plan, CompletionPlan) and plan.token_ids_only:
             # no tokenizer needed
             ids = [p for p in plan.prompts if isinstance(p, list)]
-            return [len(p) for p in ids], CountMethod.LOCAL, [PromptTokens(p) for p in ids]
+            return _Counted(
+                [len(p) for p in ids], CountMethod.LOCAL, [PromptTokens(p) for p in ids]
+            )
         local = self._tokenizer()
         shape = prompt_shape(endpoint, plan)
         usable = not (isinstance(plan, ChatPlan) and plan.upstream_only)
@@ -427,9 +440,9 @@ class PromptCounter:
                         "vLLM's count (vLLM's render endpoint would count it exactly)",
                         local.path,
                     )
-                    return counts, CountMethod.ESTIMATE, None
+                    return _Counted(counts, CountMethod.ESTIMATE, None)
                 self._maybe_self_check(shape, endpoint, body, plan, counts)
-                return counts, CountMethod.LOCAL, tokens if want else None
+                return _Counted(counts, CountMethod.LOCAL, tokens if want else None)
         if self.render == "always" or render_first(endpoint, plan):
             rendered = await self._render(endpoint, body, want)
             if rendered is not None:
@@ -442,8 +455,8 @@ class PromptCounter:
                 "vLLM's /tokenize is unavailable (%s); prompt counts are upper-bound estimates",
                 exc,
             )
-            return plan.estimate(), CountMethod.ESTIMATE, None
-        return counts, CountMethod.UPSTREAM, known
+            return _Counted(plan.estimate(), CountMethod.ESTIMATE, None)
+        return _Counted(counts, CountMethod.UPSTREAM, known)
 
     # -- vLLM's render endpoints -------------------------------------------------------------
 
@@ -465,7 +478,14 @@ class PromptCounter:
         # The ids are the ones vLLM keeps, already truncated: which of them the tokenizer added
         # does not matter unless the counter would truncate further (then: no prefix).
         tokens = [PromptTokens(r.ids, None) for r in rendered] if want_tokens else None
-        return counts, CountMethod.UPSTREAM, tokens
+        resolved = [r.max_tokens for r in rendered]
+        max_tokens = tuple(m for m in resolved if m is not None)
+        return _Counted(
+            counts,
+            CountMethod.UPSTREAM,
+            tokens,
+            max_tokens if len(max_tokens) == len(resolved) else None,
+        )
 
     # -- the self-check ----------------------------------------------------------------------
 

@@ -207,6 +207,7 @@ class GenerationPath:
                     exact=count.exact,
                     default_max_tokens=engine.config.default_max_tokens,
                     max_tokens_cap=engine.config.max_tokens_cap,
+                    resolved_max_tokens=count.max_tokens,
                 )
             except CountingBusy as exc:  # too many long prompts being counted: shed
                 record.count_end = time.perf_counter()

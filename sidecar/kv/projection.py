@@ -71,6 +71,7 @@ def project_counts(
     exact: bool = True,
     default_max_tokens: int | None = None,
     max_tokens_cap: int | None = None,
+    resolved_max_tokens: tuple[int, ...] | None = None,
 ) -> Projection:
     """Project a request from its prompt token counts, or raise vLLM's 400 as BadRequest.
 
@@ -88,6 +89,16 @@ def project_counts(
     ``override_max_tokens``: it caps every request, even one that names its own ``max_tokens``.
     Only ``requested_max_tokens`` is checked against ``max_model_len`` (vLLM's
     ``TokenizeParams`` checks the request's own value, never the defaults).
+
+    ``resolved_max_tokens``, one per prompt, is what vLLM itself resolved (its render endpoint
+    answers it): it stands in for that rule, so that a generation config or an override the
+    sidecar was not told of is still counted as vLLM counts it.
+
+    >>> from sidecar.kv.geometry import UniformBlocks
+    >>> blocks = UniformBlocks(16)
+    >>> project_counts((100,), requested_max_tokens=None, n=1, max_model_len=1024,
+    ...                blocks=blocks, resolved_max_tokens=(256,)).max_tokens
+    (256,)
     """
     if requested_max_tokens is not None and requested_max_tokens > max_model_len:
         # vLLM: renderers/params.py TokenizeParams.__post_init__
@@ -113,7 +124,9 @@ def project_counts(
                 code="context_length_exceeded",
             )
         # vLLM: entrypoints/serve/utils/api_utils.get_max_tokens
-        limits = (max_model_len - count, fallback, max_tokens_cap)
+        limits: tuple[int | None, ...] = (max_model_len - count, fallback, max_tokens_cap)
+        if resolved_max_tokens is not None and len(resolved_max_tokens) == len(prompt_tokens):
+            limits = (max_model_len - count, resolved_max_tokens[len(effective)])
         effective.append(min(v for v in limits if v is not None))
         counts.append(count)
     prompt_blocks = n * sum(blocks.blocks_for_tokens(c) for c in counts)
