@@ -15,7 +15,7 @@ from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Reason
 from sidecar.admission.ends import COLD_OUTPUT_TOKENS
-from sidecar.admission.learner import pooled_length
+from sidecar.admission.learner import pooled_length, request_class
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
@@ -198,6 +198,21 @@ def test_a_small_batch_pays_for_the_recompute_a_larger_one_would_not() -> None:
         busy.learner.observe("chat:none", length)
     (upper,) = busy.ends(chat(100), "chat:none")
     assert median < upper, (median, upper)
+
+
+def test_an_ignore_eos_request_is_risked_only_where_even_a_certain_recompute_pays() -> None:
+    """An ``ignore_eos`` request will reach its max_tokens (600 here, a 100-token prompt): with
+    8 sequences decoding on a 10 ms + 0.3 ms-a-token step, one more saves ~60 steps (600 x 0.80
+    / 8), more than its certain recompute (~17): it is risked at the floor, as vLLM risks it.
+    With 64 decoding it saves ~3.2 of a ~7-step recompute: all 600 are reserved."""
+    klass = request_class("chat", 600, ignore_eos=True)
+    clock = Clock()
+    small = controller(clock)
+    _costly(small, clock, per_token=3e-4, running=8)
+    assert small.ends(chat(100, 600), klass) == (COLD_OUTPUT_TOKENS,)
+    busy = controller(clock)
+    _costly(busy, clock, per_token=3e-4, running=64)
+    assert busy.ends(chat(100, 600), klass) == (600,)
 
 
 def test_where_a_certain_recompute_pays_a_long_answer_is_risked_at_the_floor() -> None:

@@ -20,7 +20,10 @@ Beside other requests in flight, adaptive mode reserves to the pool's quantile r
 the request's own (``LengthLearner.pooled_bound``: the quantile of the sum of the answers in
 flight, over their number), once the class, else every class, has 32 answers.
 
-In every mode an answer past its end is expected to run to twice what it has
+A request that sets ``ignore_eos`` (its class ends in ``+ignore_eos``) will reach its
+``max_tokens``: it is reserved all of it, except in adaptive mode where running it now saves more
+than even a certain recompute costs (then it is risked at the floor, as vLLM risks it). In every
+mode an answer past its end is expected to run to twice what it has
 (``Reservation.end``), and vLLM's preemptions widen the learned ends for a while.
 
 >>> from sidecar.admission.costs import EngineCosts
@@ -33,7 +36,7 @@ In every mode an answer past its end is expected to run to twice what it has
 from __future__ import annotations
 
 from sidecar.admission.costs import GAIN_QUANTILES, QUANTILES, SURE, EngineCosts, reserve_quantile
-from sidecar.admission.learner import UNBOUNDED, LengthLearner
+from sidecar.admission.learner import UNBOUNDED, LengthLearner, runs_to_max
 from sidecar.config import ReservationMode
 
 #: adaptive mode, while nothing is known of answer lengths: output tokens risked per sequence
@@ -68,6 +71,8 @@ class Ends:
         risk: ``LengthLearner.pooled_bound``)."""
         if self.mode is ReservationMode.worst_case:
             return max_tokens
+        if runs_to_max(klass):
+            return self._runs_to_max(prompt_tokens, max_tokens, costs)
         if self.mode is ReservationMode.expected:
             return self.learner.end(klass, max_tokens)
         return self._adaptive(klass, prompt_tokens, max_tokens, costs, concurrency)
@@ -122,6 +127,17 @@ class Ends:
                 return max_tokens
             bound = COLD_OUTPUT_TOKENS
         return learner.boosted(min(bound, max_tokens), max_tokens)
+
+    def _runs_to_max(self, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> int:
+        """An ``ignore_eos`` request reaches its ``max_tokens``: every quantile of its length is
+        that. Only adaptive mode, where running it now saves more than even a certain recompute
+        costs, risks it from the floor as vLLM does; otherwise all of it is reserved."""
+        if self.mode is ReservationMode.adaptive:
+            gain = costs.gain_steps(max_tokens)
+            recompute = costs.recompute_steps(prompt_tokens + max_tokens)
+            if gain > self.risk_steps and gain >= recompute:
+                return min(COLD_OUTPUT_TOKENS, max_tokens)
+        return max_tokens
 
     def _pooled_tail(self, klass: str, quantile: float, max_tokens: int, concurrency: float) -> int:
         """Where one request alone would be reserved to ``max_tokens``: beside others in flight,

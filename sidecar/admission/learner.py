@@ -63,18 +63,36 @@ def _order_statistic_rank(n: int, quantile: float, confidence: float) -> int | N
     return None
 
 
-def request_class(endpoint: str, max_tokens: int | None, header: str | None = None) -> str:
+#: the class suffix of a request that asks vLLM to ignore the end-of-sequence token
+#: (``ignore_eos``, as benchmark clients send it): its answer runs to its max_tokens
+RUNS_TO_MAX = "+ignore_eos"
+
+
+def request_class(
+    endpoint: str, max_tokens: int | None, header: str | None = None, *, ignore_eos: bool = False
+) -> str:
     """The class a request's answer length is learned in: a header's name, else the endpoint
-    and the power-of-two bucket of ``max_tokens`` (``none`` when absent).
+    and the power-of-two bucket of ``max_tokens`` (``none`` when absent); with ``ignore_eos``,
+    marked :data:`RUNS_TO_MAX` (nothing to learn: it ends at its max_tokens).
 
     >>> request_class("chat", None), request_class("completions", 300), request_class("chat", 9)
     ('chat:none', 'completions:512', 'chat:16')
+    >>> request_class("completions", 300, ignore_eos=True)
+    'completions:512+ignore_eos'
     """
     if header:
-        return f"header:{header[:64]}"
-    if max_tokens is None:
-        return f"{endpoint}:none"
-    return f"{endpoint}:{1 << max(4, (max(1, max_tokens) - 1).bit_length())}"
+        klass = f"header:{header[:64]}"
+    elif max_tokens is None:
+        klass = f"{endpoint}:none"
+    else:
+        klass = f"{endpoint}:{1 << max(4, (max(1, max_tokens) - 1).bit_length())}"
+    return klass + RUNS_TO_MAX if ignore_eos else klass
+
+
+def runs_to_max(klass: str) -> bool:
+    """Whether requests of ``klass`` ignore the end-of-sequence token: each runs to its
+    max_tokens (unless a stop string it names ends it), so its length is known, not learned."""
+    return klass.endswith(RUNS_TO_MAX)
 
 
 class _Window:
@@ -212,7 +230,10 @@ class LengthLearner:
 
     def observe(self, klass: str, completion_tokens: int, *, at_max: bool | None = None) -> None:
         """An answer of ``klass`` ended naturally after this many tokens (per sequence);
-        ``at_max``: whether that was all of its max_tokens (None: not known)."""
+        ``at_max``: whether that was all of its max_tokens (None: not known). A class that
+        ignores the end-of-sequence token teaches nothing: its length was its max_tokens."""
+        if runs_to_max(klass):
+            return
         if at_max is not None:
             if at_max:
                 self._at_length += 1
@@ -353,6 +374,8 @@ class LengthLearner:
         """
         if klass in self._likely:
             return self._likely[klass]
+        if runs_to_max(klass):
+            return None  # it ends at its max_tokens: its reserved end
         lengths = self._lengths.get(klass)
         if lengths is None or len(lengths) < LIKELY_MIN_SAMPLES:
             return self._likely_over_all()  # not cached per class: every answer changes it

@@ -71,6 +71,9 @@ class GenerationRequest:
     max_tokens: int | None  # as the client sent it (None: absent or null)
     max_tokens_param: str
     n: int
+    #: ``ignore_eos: true`` (vLLM's extra sampling parameter, as benchmark clients send it):
+    #: the answer runs to its max_tokens
+    ignore_eos: bool = False
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -86,6 +89,24 @@ class GenerationRequest:
             if self.max_tokens == 0:
                 return 1  # only parsed with echo: true
         return self.max_tokens
+
+
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def _lax_bool(value: Any) -> bool:
+    """Whether ``value`` is true as vLLM's request models read a boolean field (pydantic's lax
+    mode: ``true``, ``1``, and strings such as ``"true"`` or ``"yes"``); anything else is false
+    here, and vLLM answers a value it cannot read as a boolean itself.
+
+    >>> [_lax_bool(v) for v in (True, 1, "Yes", "on", False, 0, "no", None, 2, [])]
+    [True, True, True, True, False, False, False, False, False, False]
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value == 1
+    return isinstance(value, str) and value.lower() in _TRUE_STRINGS
 
 
 def _depth_ok(value: Any, limit: int) -> bool:
@@ -249,6 +270,7 @@ def parse_generation(endpoint: Endpoint, raw: bytes) -> GenerationRequest:
         max_tokens=max_tokens,
         max_tokens_param=param,
         n=n,
+        ignore_eos=_lax_bool(body.get("ignore_eos")),
     )
 
 

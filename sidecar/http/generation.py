@@ -232,7 +232,10 @@ class GenerationPath:
                 projection,
                 streamed=request.stream,
                 klass=request_class(
-                    endpoint, request.requested_max_tokens, _header(scope, CLASS_HEADER)
+                    endpoint,
+                    request.requested_max_tokens,
+                    _header(scope, CLASS_HEADER),
+                    ignore_eos=request.ignore_eos,
                 ),
                 prefix=count.prefix,
                 pin=rank if rank.isdigit() else None,
