@@ -26,6 +26,7 @@ from openai import AsyncOpenAI
 from harness.exposition import metric_value
 from harness.workload import SidecarProcess, make_prompts, one_completion
 from tests.conftest import VllmInfo
+from tests.support.stepped import frozen_engine
 from tests.support.vllm_idle import idle_preemptions
 
 pytestmark = pytest.mark.vllm
@@ -101,3 +102,75 @@ async def test_an_interactive_request_is_admitted_ahead_of_a_queued_batch_burst(
         == 1
     )
     assert idle_preemptions(vllm.url) == before
+
+
+@pytest.mark.parametrize(("reserve", "batch_running"), [(0.34, 2), (0.0, 3)])
+async def test_the_priority_reserve_starts_an_interactive_request_beside_a_batch_burst(
+    vllm: VllmInfo, reserve: float, batch_running: int
+) -> None:
+    """A budget of three requests (``--headroom`` from the pool), a batch burst of five at
+    priority 10, and vLLM's engine stopped while they arrive (``frozen_engine``: the decisions
+    are the sidecar's, on any host). With ``--priority-reserve 0.34`` (a third of the budget:
+    one request) two batch requests run and three queue, and an interactive request (priority
+    0, another tenant) is admitted at once, beside them; with no reserve the batch takes all
+    three places and the interactive request queues (first in line, for the next release)."""
+    assert vllm.model_dir is not None, "set KV_SIDECAR_TEST_MODEL_DIR for an external vLLM"
+    max_tokens = 32
+    blocks_each = vllm.blocks_for(PROMPT_TOKENS + max_tokens)
+    headroom = 1.0 - (3 * blocks_each + 0.5) / (vllm.num_gpu_blocks - 1)
+    prompts = make_prompts(vllm.model_dir, 6, PROMPT_TOKENS, seed=29)
+    args = ["--reservation", "worst-case", "--headroom", f"{headroom:.4f}"]
+    args += ["--priority-rules", "tenant:batch=10", "--priority-reserve", str(reserve)]
+    before = idle_preemptions(vllm.url)
+    with SidecarProcess(vllm.url, *args) as sc:
+        assert sc.state()["budget_blocks"] == 3 * blocks_each, sc.state()
+        async with httpx.AsyncClient(timeout=300) as client:
+
+            async def send(prompt: str, tenant: str) -> int:
+                return await _tenant_completion(
+                    client, sc.url, prompt, max_tokens, vllm.served_name, tenant
+                )
+
+            async def settled(in_flight: int, queued: int) -> dict[str, object]:
+                deadline = time.monotonic() + 60
+                while True:
+                    state = (await client.get(sc.metrics_url + "/state")).json()
+                    if (state["in_flight"], state["queue_depth"]) == (in_flight, queued):
+                        return dict(state)
+                    assert time.monotonic() < deadline, (in_flight, queued, state)
+                    await asyncio.sleep(0.05)
+
+            with frozen_engine(vllm):
+                burst = [asyncio.ensure_future(send(p, "batch")) for p in prompts[:5]]
+                await settled(batch_running, 5 - batch_running)
+                chat = asyncio.ensure_future(send(prompts[5], "chat"))
+                if reserve:
+                    await settled(batch_running + 1, 5 - batch_running)  # at once, beside them
+                else:
+                    await settled(batch_running, 5 - batch_running + 1)  # it waits its turn
+                metrics = sc.metrics()
+            statuses = await asyncio.gather(*burst, chat)
+    assert statuses == [200] * 6
+    admitted_now = metric_value(
+        metrics, "kv_sidecar_class_requests_total", priority="0", tenant="chat", decision="admit"
+    )
+    assert (admitted_now or 0) == (1 if reserve else 0)
+    assert idle_preemptions(vllm.url) == before
+
+
+async def _tenant_completion(
+    client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, model: str, tenant: str
+) -> int:
+    """A streamed completion of ``tenant`` (its x-kv-sidecar-tenant header): its status."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"x-kv-sidecar-tenant": tenant}
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        async for _ in r.aiter_lines():
+            pass
+        return r.status_code
