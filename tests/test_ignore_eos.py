@@ -1,7 +1,8 @@
 """Requests that set ``ignore_eos`` (as vLLM's benchmark client, and most load generators, send
 them): each answer runs to its max_tokens, so the sidecar reserves all of it in every mode, never
 learns their lengths as if they had ended naturally, and never tells Retry-After that one ends
-where its class's answers usually end.
+where its class's answers usually end. And ``min_tokens``: an answer at least that long is never
+reserved less.
 
 The pool is 64 blocks of 128 tokens (a budget of 63); a request of 300 prompt and 700 output
 tokens reaches 8 blocks."""
@@ -115,3 +116,23 @@ def test_retry_after_takes_an_ignore_eos_request_to_its_max_tokens() -> None:
     assert plain is not None and eos is not None
     assert eos >= 600 - 1  # to 700 from 100, less a block's rounding
     assert plain <= 200  # twice what they have: 200, from 100
+
+
+@pytest.mark.parametrize("reservation", ["adaptive", "expected"])
+def test_min_tokens_is_the_least_an_answer_is_reserved(reservation: str) -> None:
+    raw = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 700, "min_tokens": 500})
+    request = parse_generation("completions", raw.encode())
+    assert request.min_tokens == 500
+    clock = Clock()
+    ac = controller(clock, reservation)
+    teach_short_answers(ac)  # its class's answers end at 40-59 tokens: 500 is still reserved
+    floor = project_counts(
+        (300,), requested_max_tokens=700, n=1, max_model_len=1024, blocks=BLOCKS, min_tokens=500
+    )
+    assert ac.ends(proj(), PLAIN)[0] < 500
+    assert ac.ends(floor, PLAIN) == (500,)
+    # never past max_tokens, whatever min_tokens says (vLLM refuses min_tokens > max_tokens)
+    over = project_counts(
+        (300,), requested_max_tokens=100, n=1, max_model_len=1024, blocks=BLOCKS, min_tokens=500
+    )
+    assert ac.ends(over, PLAIN) == (100,)

@@ -220,8 +220,9 @@ class AdmissionController:
         ``in_flight``: the requests already in flight beside it in its pool)."""
         engine = costs if costs is not None else self.pools[0].view.costs
         concurrency = in_flight + 1
+        least = projection.min_tokens  # what the answer generates at least (min_tokens)
         return tuple(
-            self.reserving.end(klass, p, m, engine, concurrency)
+            max(min(least, m), self.reserving.end(klass, p, m, engine, concurrency))
             for p, m in zip(projection.prompt_tokens, projection.max_tokens, strict=True)
         )
 

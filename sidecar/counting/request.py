@@ -74,6 +74,8 @@ class GenerationRequest:
     #: ``ignore_eos: true`` (vLLM's extra sampling parameter, as benchmark clients send it):
     #: the answer runs to its max_tokens
     ignore_eos: bool = False
+    #: ``min_tokens`` (vLLM's extra sampling parameter): the answer is at least this long
+    min_tokens: int = 0
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -107,6 +109,18 @@ def _lax_bool(value: Any) -> bool:
     if isinstance(value, int | float):
         return value == 1
     return isinstance(value, str) and value.lower() in _TRUE_STRINGS
+
+
+def _min_tokens(value: Any) -> int:
+    """``min_tokens`` as the projection takes it: a non-negative integer, else 0 (vLLM answers a
+    value it refuses itself).
+
+    >>> [_min_tokens(v) for v in (50, 0, -3, None, "7", 2.0, True)]
+    [50, 0, 0, 0, 0, 0, 0]
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        return 0
+    return max(0, value)
 
 
 def _depth_ok(value: Any, limit: int) -> bool:
@@ -271,6 +285,7 @@ def parse_generation(endpoint: Endpoint, raw: bytes) -> GenerationRequest:
         max_tokens_param=param,
         n=n,
         ignore_eos=_lax_bool(body.get("ignore_eos")),
+        min_tokens=_min_tokens(body.get("min_tokens")),
     )
 
 

@@ -208,6 +208,7 @@ class GenerationPath:
                     default_max_tokens=engine.config.default_max_tokens,
                     max_tokens_cap=engine.config.max_tokens_cap,
                     resolved_max_tokens=count.max_tokens,
+                    min_tokens=request.min_tokens,
                 )
             except CountingBusy as exc:  # too many long prompts being counted: shed
                 record.count_end = time.perf_counter()

@@ -39,6 +39,9 @@ class Projection:
     prompt_blocks: int  # all sequences right after prefill
     peak_blocks: int  # all sequences at max_tokens
     exact: bool = True  # False: the prompt counts are upper-bound estimates
+    #: output tokens each sequence generates at least (the request's ``min_tokens``: vLLM
+    #: ignores the end-of-sequence token until then), at most its max_tokens
+    min_tokens: int = 0
 
     @property
     def sequences(self) -> int:
@@ -72,6 +75,7 @@ def project_counts(
     default_max_tokens: int | None = None,
     max_tokens_cap: int | None = None,
     resolved_max_tokens: tuple[int, ...] | None = None,
+    min_tokens: int = 0,
 ) -> Projection:
     """Project a request from its prompt token counts, or raise vLLM's 400 as BadRequest.
 
@@ -133,4 +137,6 @@ def project_counts(
     peak_blocks = n * sum(
         blocks.blocks_for_tokens(c + m) for c, m in zip(counts, effective, strict=True)
     )
-    return Projection(tuple(counts), tuple(effective), n, prompt_blocks, peak_blocks, exact)
+    return Projection(
+        tuple(counts), tuple(effective), n, prompt_blocks, peak_blocks, exact, max(0, min_tokens)
+    )
