@@ -2,11 +2,18 @@
 the plain relay of the overhead benchmark on three HTTP clients.
 
 ``shim`` (between whatever the client talks to and vLLM) makes answers end early: a generation
-request that carries ``x-bench-output-tokens: L`` reaches vLLM with ``max_tokens`` = L, while
-everything in front of the shim (the sidecar, the shedder, the client's own accounting) saw the
-client's larger ``max_tokens``. It stands in for an end of sequence the tiny random model never
-emits: vLLM reserves nothing for output and allocates blocks as tokens are generated, so a request
-cut at L tokens by ``max_tokens`` holds exactly the blocks one ended by EOS at L would.
+request that carries ``x-bench-output-tokens: L`` ends after L tokens, while everything in front
+of the shim (the sidecar, the shedder, the client's own accounting) saw the client's request
+unchanged. It stands in for an end of sequence the tiny random model does not choose by itself.
+With ``--eos-token-id ID`` the answer ends at a real end of sequence: the shim sets ``min_tokens``
+L - 1 and a logit bias of +100 on ID, so that vLLM's own stop check ends it at its L-th token with
+``finish_reason`` ``stop``, as a real model's answer ends, and vLLM's histograms
+(``vllm:request_success_total{finished_reason}``, ``vllm:request_generation_tokens``) hold what
+they hold under real traffic; a ``ignore_eos`` the client sent is dropped there. A generation
+request without the header then runs to its ``max_tokens`` (the shim sets ``ignore_eos``: the
+random model must not end it early by chance). Without ``--eos-token-id`` the shim cuts the answer
+with ``max_tokens`` = L (``finish_reason`` ``length``). Either way vLLM allocates blocks as tokens
+are generated, so the request holds exactly the blocks one ended by EOS at L would.
 
 ``shedder`` is a utilization-threshold load shedder like the Kubernetes inference gateway's default
 saturation detector: it polls vLLM's /metrics every ``--interval`` seconds and refuses generation
@@ -240,15 +247,47 @@ async def respond(
     await send({"type": "http.response.body", "body": data})
 
 
-class Shim:
-    """Rewrites ``max_tokens`` to ``x-bench-output-tokens`` on generation requests."""
+#: the logit bias that makes the end-of-sequence token the certain next one once ``min_tokens``
+#: no longer masks it (vLLM clamps a bias to [-100, 100])
+EOS_BIAS = 100.0
 
-    def __init__(self, upstream: str, client: str = "httpx") -> None:
+
+def end_at(request: dict[str, Any], tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+    """``request`` rewritten so that each of its answers ends after ``tokens`` tokens: at a real
+    end of sequence when ``eos_token_id`` is given, else cut by ``max_tokens``.
+
+    >>> end_at({"max_tokens": 500, "ignore_eos": True}, 40, 1)
+    {'max_tokens': 500, 'min_tokens': 39, 'logit_bias': {'1': 100.0}}
+    >>> end_at({"max_tokens": 500}, 40, None)
+    {'max_tokens': 40}
+    """
+    out = dict(request)
+    if eos_token_id is None:
+        out["max_tokens"] = tokens
+        out.pop("max_completion_tokens", None)
+        return out
+    out.pop("ignore_eos", None)
+    out["min_tokens"] = max(0, tokens - 1)
+    bias = dict(out.get("logit_bias") or {})
+    bias[str(eos_token_id)] = EOS_BIAS
+    out["logit_bias"] = bias
+    return out
+
+
+class Shim:
+    """Ends generation requests after ``x-bench-output-tokens`` tokens (see the module's
+    docstring); with ``eos_token_id``, at a real end of sequence, and a request without the
+    header runs to its ``max_tokens``."""
+
+    def __init__(
+        self, upstream: str, client: str = "httpx", eos_token_id: int | None = None
+    ) -> None:
         self.relay: Forwarder = (
             AiohttpRelay(upstream)
             if client == "aiohttp"
             else Relay(upstream, own_transport=client == "upstream-transport")
         )
+        self.eos_token_id = eos_token_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -259,12 +298,14 @@ class Shim:
             return
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP]
         real = next((v for k, v in headers if k.lower() == OUTPUT_HEADER), None)
-        if real is not None and scope["method"] == "POST" and scope["path"] in GENERATION:
-            request = json.loads(body)
-            request["max_tokens"] = int(real)
-            request.pop("max_completion_tokens", None)
-            body = json.dumps(request).encode()
+        generation = scope["method"] == "POST" and scope["path"] in GENERATION
+        if real is not None and generation:
+            body = json.dumps(end_at(json.loads(body), int(real), self.eos_token_id)).encode()
             headers = [(k, v) for k, v in headers if k.lower() != OUTPUT_HEADER]
+        elif generation and self.eos_token_id is not None:
+            request = json.loads(body)
+            request["ignore_eos"] = True
+            body = json.dumps(request).encode()
         await self.relay.forward(scope, send, body, headers)
 
 
@@ -398,10 +439,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-threshold", type=float, default=0.8)
     parser.add_argument("--queue-threshold", type=float, default=5)
     parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument(
+        "--eos-token-id",
+        type=int,
+        default=None,
+        help="shim: end answers at this end-of-sequence token (else cut them by max_tokens)",
+    )
     args = parser.parse_args(argv)
     app: Any
     if args.kind == "shim":
-        app = Shim(args.upstream, args.client)
+        app = Shim(args.upstream, args.client, args.eos_token_id)
     else:
         app = Shedder(
             args.upstream,

@@ -67,6 +67,13 @@ def _locked(name: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def eos_token_id(model_dir: Path) -> int:
+    """The end-of-sequence token id of the model in ``model_dir`` (its ``config.json``)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    eos = config["eos_token_id"]
+    return int(eos[0] if isinstance(eos, list) else eos)
+
+
 def vllm_python() -> Path:
     return VENV / "bin" / "python"
 

@@ -48,7 +48,7 @@ from harness.bench_util import (
     update_section,
     write_json,
 )
-from harness.vllm_cpu import VLLM_CPU_VERSION, VllmServer, ensure_model
+from harness.vllm_cpu import VLLM_CPU_VERSION, VllmServer, ensure_model, eos_token_id
 
 
 def parser() -> argparse.ArgumentParser:
@@ -300,9 +300,11 @@ def run_server(plan: Plan, label: str, server: VllmServer, configs: list[str]) -
             order = plan.order(wl.name, configs)
             if not order:
                 continue
-            # answers that end before max_tokens: the shim in front of vLLM cuts them
+            # answers that end before max_tokens: the shim in front of vLLM ends them at a real
+            # end of sequence (finish_reason "stop", as a real model's answers end)
             cut = any(r.output_tokens is not None for r in wl.requests)
-            shim = BenchProxy("shim", server.url) if cut else None
+            eos = ["--eos-token-id", str(eos_token_id(server.model_dir or ensure_model()))]
+            shim = BenchProxy("shim", server.url, *eos) if cut else None
             try:
                 front = shim.url if shim is not None else server.url
                 for rep, config in order:

@@ -176,7 +176,7 @@ def poisson_workload(model: Path, quick: bool) -> Workload:
             Request(
                 t,
                 "/v1/completions",
-                {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+                {"prompt": prompt, "max_tokens": max_tokens},
                 output_tokens=real,
                 kind="long" if is_long else "short",
             )
@@ -265,7 +265,7 @@ def no_max_tokens_workload(model: Path, quick: bool) -> Workload:
                 Request(
                     t,
                     "/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": user}], "ignore_eos": True},
+                    {"messages": [{"role": "user", "content": user}]},
                     output_tokens=real,
                     kind="chat:none",
                 )
@@ -276,7 +276,7 @@ def no_max_tokens_workload(model: Path, quick: bool) -> Workload:
                 Request(
                     t,
                     "/v1/completions",
-                    {"prompt": prompt, "ignore_eos": True},
+                    {"prompt": prompt},
                     kind="completions:none",
                 )
             )
@@ -287,8 +287,9 @@ def no_max_tokens_workload(model: Path, quick: bool) -> Workload:
         "65% chats (a 100-250-token user message; vLLM lets them run to the end of the context, "
         "and the shim cuts each answer at a length drawn uniformly in 32..320 tokens), 35% "
         f"completions (64- or 200-token prompts; vLLM's default max_tokens, "
-        f"{COMPLETIONS_DEFAULT_MAX_TOKENS}, is their real length). `ignore_eos` throughout. "
-        "Worst case reserves the whole context for every chat.",
+        f"{COMPLETIONS_DEFAULT_MAX_TOKENS}, is their real length). No request sets `ignore_eos`: "
+        "the shim ends each chat at a real end of sequence. Worst case reserves the whole context "
+        "for every chat.",
         reqs,
     )
 
@@ -340,21 +341,19 @@ def mixed_workload(model: Path, quick: bool) -> Workload:
             body = {
                 "messages": [{"role": "user", "content": _words(rng, tok, rng.randint(30, 90))}],
                 "max_tokens": 64,
-                "ignore_eos": True,
             }
             req = Request(t, "/v1/chat/completions", body, rng.randint(8, 64), kind="chat:64")
         elif u < 0.55:  # long completion
-            body = {"prompt": long[i], "max_tokens": 600, "ignore_eos": True}
+            body = {"prompt": long[i], "max_tokens": 600}
             real = math.ceil(rng.uniform(0.3, 1.0) * 600)
             req = Request(t, "/v1/completions", body, real, kind="completions:600")
         elif u < 0.75:  # chat without max_tokens
             body = {
                 "messages": [{"role": "user", "content": _words(rng, tok, rng.randint(100, 200))}],
-                "ignore_eos": True,
             }
             req = Request(t, "/v1/chat/completions", body, rng.randint(32, 300), kind="chat:none")
         elif u < 0.85:  # completion without max_tokens (vLLM: 16)
-            body = {"prompt": short[i], "ignore_eos": True}
+            body = {"prompt": short[i]}
             req = Request(t, "/v1/completions", body, kind="completions:none")
         else:  # two sequences per request
             # vLLM refuses n > 1 with greedy sampling; the length is the shim's either way. No
@@ -365,7 +364,6 @@ def mixed_workload(model: Path, quick: bool) -> Workload:
                 "max_tokens": 256,
                 "n": 2,
                 "temperature": 1.0,
-                "ignore_eos": True,
             }
             real = math.ceil(rng.uniform(0.1, 0.8) * 256)
             req = Request(t, "/v1/completions", body, real, kind="completions:256:n2")
