@@ -541,9 +541,10 @@ def _risk_row() -> list[PanelBuilder]:
         timeseries_panel(
             "Engine costs: the decode step",
             "What admission learned of vLLM's costs: a decode step of its running batch (from "
-            "its inter-token latency), and what each token a step processes adds to it (the "
-            "slope of step time against tokens per step). --tpot-target is checked against the "
-            "step a larger batch would make.",
+            "its inter-token latency), what each sequence decoding adds to a step and what each "
+            "prompt token computed adds (from vLLM's inter-token latency against its batch and "
+            "its requests' prefill times). "
+            "--tpot-target is checked against the step a larger batch would make.",
             "s",
             [
                 Query(
@@ -551,8 +552,12 @@ def _risk_row() -> list[PanelBuilder]:
                     "{{pod}} decode step",
                 ),
                 Query(
+                    _per_pod("max", sidecar("kv_sidecar_engine_step_seconds_per_sequence")),
+                    "{{pod}} per decode sequence",
+                ),
+                Query(
                     _per_pod("max", sidecar("kv_sidecar_engine_step_seconds_per_token")),
-                    "{{pod}} per token in a step",
+                    "{{pod}} per prompt token",
                 ),
             ],
             width=12,

@@ -278,8 +278,8 @@ class Settings(BaseSettings):
     running it in the batch saves more (README: How admission decides)."""
     ttft_target: float | None = Field(default=None, gt=0)
     """Seconds a request may expect to wait here for its first token (its queue wait, from the
-    trajectories and the learned decode step, plus its prefill by the learned step line): one
-    that does not fit now and is expected to wait longer is refused at once with 429
+    trajectories and the learned decode step, plus its prefill by the learned cost per prompt
+    token): one that does not fit now and is expected to wait longer is refused at once with 429
     ttft_target and a Retry-After instead of queueing past its objective. Queued while the step
     time is not known yet. Unset: no target."""
     tpot_target: float | None = Field(default=None, gt=0)

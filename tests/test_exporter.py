@@ -124,18 +124,33 @@ def test_every_documented_metric_is_exported_and_nothing_else() -> None:
     lora = ((("max_lora", "2"), ("running_lora_adapters", "a"), ("waiting_lora_adapters", "")), 5.0)
     ac.on_snapshot(dataclasses.replace(snapshot(clock, used=5, running=1), lora_info=lora))
     metrics.on_snapshot()
-    # two busy intervals at two loads: the engine's step line and decode step are measured
-    totals = {"steps_total": 0.0, "step_tokens_total": 0.0}
-    for tokens_per_step, seconds_per_step in ((10, 0.010), (500, 0.020), (10, 0.010)):
+    # busy intervals at varied loads (batch and prompt tokens per step): the engine's step
+    # model and decode step are measured
+    totals = dict.fromkeys(
+        (
+            "generation_tokens_total",
+            "inter_token_latency_sum",
+            "inter_token_latency_count",
+            "prefill_seconds_sum",
+            "prefill_count",
+            "prompt_tokens_sum",
+        ),
+        0.0,
+    )
+    for batch, prompts in ((1, 0), (4, 2), (2, 0), (1, 1)):
+        seconds_per_step = 0.010 + 0.001 * batch
         clock.now += 1
-        totals["steps_total"] += 1 / seconds_per_step
-        totals["step_tokens_total"] += tokens_per_step / seconds_per_step
-        busy = snapshot(clock, used=5, running=1)
+        tokens = batch / seconds_per_step
+        totals["generation_tokens_total"] += tokens
+        totals["inter_token_latency_sum"] += tokens * seconds_per_step
+        totals["inter_token_latency_count"] += tokens
+        totals["prefill_seconds_sum"] += prompts * (seconds_per_step + 256 * 2e-5)
+        totals["prefill_count"] += prompts
+        totals["prompt_tokens_sum"] += prompts * 256
+        busy = snapshot(clock, used=5, running=batch)
         ac.on_snapshot(
             dataclasses.replace(
                 busy,
-                inter_token_latency_sum=clock.now,
-                inter_token_latency_count=clock.now * 100,
                 lora_info=lora,
                 admission_rejections=(("max_num_queued_reqs", 2.0),),
                 **totals,

@@ -7,8 +7,8 @@ when the answer ahead of it ends.
 The engine runs a step only when the test grants one (``harness.sim_server``, manual mode), so
 the ledger's state at the decisions is exact; what is timed is only the decode step the sidecar
 learns from vLLM's inter-token latency, which is the test's own pace of granting steps (tens to
-hundreds of milliseconds here), and for the objective the prefill the learned step line adds
-(little at that pace, where a step's time does not follow its tokens). The two waits are 2 and
+hundreds of milliseconds here), and for the objective the prefill by the learned cost per
+prompt token (little at that pace). The two waits are 2 and
 about 355 steps, and ``--spill-wait`` and ``--ttft-target`` are 3 s: each decision holds for any
 step time between 9 ms and 1.4 s.
 

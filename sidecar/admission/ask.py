@@ -65,7 +65,8 @@ class KVState:
     expected_output_tokens: Mapping[str, int] = field(default_factory=dict)
     # the engine's learned costs (the first pool's; ``sidecar.admission.costs``), None unmeasured
     decode_step_seconds: float | None = None
-    step_seconds_per_token: float | None = None
+    step_seconds_per_token: float | None = None  # what a prompt token computed adds to a step
+    step_seconds_per_sequence: float | None = None  # what a decode sequence adds to a step
     prefill_tokens_per_step: float | None = None
     step_fixed_share: float | None = None
     batch_gain_steps_per_token: float | None = None

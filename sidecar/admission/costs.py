@@ -12,19 +12,35 @@ costs at most what running it in the batch saves (:meth:`EngineCosts.gain_steps`
 recompute, no quantile is needed: the request is risked at a floor, as vLLM risks all of them.
 
 Learned from each pair of scrapes (``sidecar.engine.snapshot``) while vLLM was busy through the
-interval (requests running at both ends):
+interval (requests running at both ends), from engine-core times only (vLLM stamps its
+requests' steps in the engine core, so a slow API server or a busy host slows both sides of each
+ratio alike):
 
-- the **step line**: vLLM's ``vllm:iteration_tokens_total`` histogram counts the engine's steps
-  and sums the tokens they processed (prefill and decode); the interval over its steps is the
-  mean step time. A line ``step = base + per_token x tokens in the step`` is fitted to those
-  points by exponentially weighted least squares. A decode step processes one token per running
-  sequence, so the line tells what a larger batch costs each step (a latency objective is checked
-  with it before a request is admitted, :meth:`EngineCosts.step_seconds`); a prefill processes
-  its prompt, so ``per_token`` times a preempted request's tokens is what its recompute costs;
-- the **recent decode step**: vLLM's inter-token latency histogram over the interval.
+- the **decode line**: vLLM's inter-token latency over the interval (a decode step of its
+  running batch) against the batch (its running requests), fitted as ``step = base +
+  per_sequence x batch`` by exponentially weighted least squares. The step a larger batch would
+  make (:meth:`EngineCosts.step_seconds`, what a latency objective is checked with) and the
+  step's **fixed share**, ``base`` over the step at the recent batch: on a GPU, reading the
+  weights once per step for the whole batch; what one sequence more gains
+  (:meth:`EngineCosts.gain_steps`). A line whose slope is not positive tells nothing (noise,
+  or a batch that never varied);
+- the **prefill cost**: each finished request's prefill (``vllm:request_prefill_time_seconds``:
+  from being scheduled to its first token) less a decode step is what its prompt's computed
+  tokens added to the step it ran in; summed over the interval's requests and over their prompt
+  tokens less the prefix cache's hits (``vllm:request_prompt_tokens``,
+  ``vllm:prompt_tokens_cached_total``), a cost per prompt token. A preemption's **recompute**
+  is that times the preempted request's tokens, in decode steps at the recent step
+  (:meth:`EngineCosts.recompute_steps`);
+- the **recent decode step**: vLLM's inter-token latency over the interval.
 
-Until the line has a slope (two different loads seen), a recompute is taken to cost one decode
-step per ``PRIOR_PREFILL_TOKENS_PER_STEP`` tokens.
+Measured on the CPU engine (a two-layer model, idle): a 1,900-token prompt's first token in
+25 ms where a decode step took 3-4 ms and a 16-token prompt's 21 ms, so about 5 us a prompt
+token. A line fitted through the step time against the tokens each step processed, as before,
+read the same engine on a busy 2-core host at 0.6-3 ms a token with no base at all: steps ran
+slow when the host was busy, and the host was busy when prompts arrived.
+
+Until a prefill is measured, a recompute is taken to cost one decode step per
+``PRIOR_PREFILL_TOKENS_PER_STEP`` tokens.
 
 >>> costs = EngineCosts()
 >>> costs.recompute_steps(2048)
@@ -55,10 +71,12 @@ QUANTILES = (0.75, 0.9, 0.95, 0.99)
 #: vLLM risks every request, at a floor widened as it decodes (``sidecar.admission.ends``)
 SURE = 0.0
 GAIN_QUANTILES = (SURE, 0.5, *QUANTILES)
-#: weight of the newest interval in the learned figures
+#: weight of the newest interval in the decode step and the prefill cost (a scrape's worth) ...
 _EWMA = 0.2
-#: intervals with fewer engine steps than this are too short to learn from
-_MIN_STEPS = 4
+#: ... and in the decode line (about 20 intervals: a line needs loads that varied)
+_LINE_EWMA = 0.05
+#: a batch whose weighted variance is below this share of its squared mean (or of 1) never varied
+_VARIED = 1e-4
 
 
 def reserve_quantile(
@@ -78,11 +96,42 @@ class CostFigures:
     """What :class:`EngineCosts` has learned, for the exporter (None: not measured yet)."""
 
     decode_step_seconds: float | None  # a decode step at the recent batch
-    step_base_seconds: float | None  # the step line's value at no token ...
-    step_seconds_per_token: float | None  # ... and its slope per token processed
+    step_base_seconds: float | None  # the decode line's base
+    step_seconds_per_token: float | None  # what a prompt token computed adds to a step
     prefill_tokens_per_step: float  # tokens whose recompute costs one decode step
     fixed_share: float | None = None  # of a decode step, what does not grow with the batch
     gain_steps_per_token: float | None = None  # decode steps a sequence saves per token in it
+    step_seconds_per_sequence: float | None = None  # what a decode sequence adds to a step
+
+
+class _Line:
+    """Exponentially weighted least squares of ``y`` on ``x``."""
+
+    __slots__ = ("sx", "sxx", "sxy", "sy", "w")
+
+    def __init__(self) -> None:
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def learn(self, x: float, y: float) -> None:
+        decay = 1.0 - _LINE_EWMA
+        self.w = decay * self.w + 1.0
+        self.sx = decay * self.sx + x
+        self.sy = decay * self.sy + y
+        self.sxx = decay * self.sxx + x * x
+        self.sxy = decay * self.sxy + x * y
+
+    def solve(self) -> tuple[float, float] | None:
+        """(base, slope); None until ``x`` varied, or where the slope is not positive."""
+        if self.w <= 0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if var <= _VARIED * max(1.0, mx * mx):
+            return None
+        slope = (self.sxy / self.w - mx * my) / var
+        if slope <= 0:
+            return None
+        return max(0.0, my - slope * mx), slope
 
 
 class EngineCosts:
@@ -91,8 +140,10 @@ class EngineCosts:
     def __init__(self) -> None:
         self.decode_step_seconds: float | None = None  # smoothed inter-token latency
         self.batch: float = 0.0  # running sequences in the last interval learned from
-        # exponentially weighted sums for the line step = base + per_token * tokens
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._line = _Line()  # decode step against the batch
+        # prefills' own seconds (less a decode step each) and their computed prompt tokens
+        self._prefill_seconds = 0.0
+        self._prefill_tokens = 0.0
 
     def update(self, prev: EngineSnapshot, snap: EngineSnapshot) -> None:
         """Learn from the interval between two scrapes, when vLLM was busy through it."""
@@ -100,78 +151,77 @@ class EngineCosts:
             return
         self.batch = (prev.running + snap.running) / 2.0
         tokens = snap.inter_token_latency_count - prev.inter_token_latency_count
+        step: float | None = None
         if tokens > 0:
             step = max(0.0, snap.inter_token_latency_sum - prev.inter_token_latency_sum) / tokens
             old = self.decode_step_seconds
             self.decode_step_seconds = step if old is None else (1 - _EWMA) * old + _EWMA * step
-        steps = snap.steps_total - prev.steps_total
-        elapsed = snap.taken_at - prev.taken_at
-        if steps >= _MIN_STEPS and elapsed > 0:
-            per_step = (snap.step_tokens_total - prev.step_tokens_total) / steps
-            self._learn(per_step, elapsed / steps)
-
-    def _learn(self, tokens_per_step: float, seconds_per_step: float) -> None:
+            self._line.learn(self.batch, step)
+        step = step if step is not None else self.decode_step_seconds
+        finished = snap.prefill_count - prev.prefill_count
+        prompts = snap.prompt_tokens_sum - prev.prompt_tokens_sum
+        if step is None or finished <= 0 or prompts <= 0:
+            return
+        taken = snap.prompt_tokens_total - prev.prompt_tokens_total
+        cached = snap.prompt_tokens_cached - prev.prompt_tokens_cached
+        computed = prompts * (1.0 - min(1.0, max(0.0, cached / taken)) if taken > 0 else 1.0)
+        spent = max(0.0, snap.prefill_seconds_sum - prev.prefill_seconds_sum - finished * step)
         decay = 1.0 - _EWMA
-        self._w = decay * self._w + 1.0
-        self._x = decay * self._x + tokens_per_step
-        self._y = decay * self._y + seconds_per_step
-        self._xx = decay * self._xx + tokens_per_step * tokens_per_step
-        self._xy = decay * self._xy + tokens_per_step * seconds_per_step
+        self._prefill_seconds = decay * self._prefill_seconds + spent
+        self._prefill_tokens = decay * self._prefill_tokens + computed
 
     def line(self) -> tuple[float, float] | None:
-        """(base, per token) of the step line; None until two different loads were seen."""
-        if self._w <= 0:
+        """(base, per sequence) of the decode line; None until measured."""
+        return self._line.solve()
+
+    def prefill_seconds_per_token(self) -> float | None:
+        """What a prompt token computed adds to a step (None: not measured yet)."""
+        if self._prefill_tokens <= 0:
             return None
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mean_x * mean_x
-        if var <= 1e-6 * max(1.0, mean_x * mean_x):
-            return None  # one load only: no slope to tell
-        slope = (self._xy / self._w - mean_x * mean_y) / var
-        if slope <= 0:
-            return None  # noise: more tokens never make a step faster
-        return max(0.0, mean_y - slope * mean_x), slope
+        return self._prefill_seconds / self._prefill_tokens
 
     def step_seconds(self, batch: float) -> float | None:
-        """A decode step's expected time with ``batch`` sequences running (None: unknown).
-        Without a slope, the recent decode step (a larger batch never makes steps faster)."""
+        """A decode step's expected time with ``batch`` sequences running (None: unknown):
+        the line's, at least the recent one from the recent batch up. Without a line, the
+        recent decode step (a larger batch never makes steps faster)."""
         recent = self.decode_step_seconds
         line = self.line()
         if line is None:
             return recent
-        base, per_token = line
-        fitted = base + per_token * batch
+        fitted = line[0] + line[1] * batch
         return fitted if recent is None or batch < self.batch else max(recent, fitted)
 
     def recompute_steps(self, tokens: float) -> float:
         """What recomputing ``tokens`` (a preempted request's prompt and output) costs, in
         decode steps at the recent batch."""
-        line = self.line()
-        step = self.step_seconds(self.batch) if line is not None else None
-        if line is None or step is None or step <= 0:
+        per_token = self.prefill_seconds_per_token()
+        step = self.decode_step_seconds
+        if per_token is None or step is None or step <= 0:
             return tokens / PRIOR_PREFILL_TOKENS_PER_STEP
-        return tokens * line[1] / step
+        return tokens * per_token / step
 
     def fixed_share(self) -> float | None:
         """The share of a decode step at the recent batch that does not grow with the batch
-        (the step line's base over the recent decode step, at most 1; None: unknown). On a GPU
-        that is reading the weights, once per step for the whole batch."""
+        (the line's base over its step there, at most 1; None: unknown). On a GPU that is
+        reading the weights, once per step for the whole batch."""
         line = self.line()
-        step = self.decode_step_seconds
-        if line is None or step is None or step <= 0:
+        if line is None:
             return None
-        return min(1.0, line[0] / step)
+        step = line[0] + line[1] * max(1.0, self.batch)
+        return min(1.0, line[0] / step) if step > 0 else None
 
     def gain_steps(self, tokens: float) -> float:
         """Decode steps of the engine's time a sequence saves by decoding ``tokens`` in the
         recent batch rather than outside it (0 where unknown).
 
         With the batch held back by the pool, the engine's time per token is ``base / batch +
-        per_token``: one sequence more decodes its ``tokens`` at ``per_token`` each, where the
-        same tokens cost ``base / batch`` more each in the batch without it. That saving, in
-        decode steps, is ``tokens x fixed share / batch``. Adaptive mode lets a request risk
-        that much recompute (the chance its answer outruns its reservation times what its
-        recompute costs): running more pays for preemptions where a step's fixed share is
-        large and the batch small."""
+        per_sequence`` (the decode line): one sequence more decodes its ``tokens`` at
+        ``per_sequence`` each, where the same tokens cost ``base / batch`` more each in the batch
+        without it. That
+        saving, in decode steps, is ``tokens x fixed share / batch``. Adaptive mode lets a
+        request risk that much recompute (the chance its answer outruns its reservation times
+        what its recompute costs): running more pays for preemptions where a step's fixed
+        share is large and the batch small."""
         share = self.fixed_share()
         if share is None or tokens <= 0:
             return 0.0
@@ -183,8 +233,9 @@ class EngineCosts:
         return CostFigures(
             decode_step_seconds=self.decode_step_seconds,
             step_base_seconds=line[0] if line is not None else None,
-            step_seconds_per_token=line[1] if line is not None else None,
+            step_seconds_per_token=self.prefill_seconds_per_token(),
             prefill_tokens_per_step=1.0 / max(self.recompute_steps(1.0), 1e-12),
             fixed_share=share,
             gain_steps_per_token=self.gain_steps(1.0) if share is not None else None,
+            step_seconds_per_sequence=line[1] if line is not None else None,
         )

@@ -80,7 +80,7 @@ def release_rate_estimate(
 
 
 def prefill_seconds(costs: EngineCosts, projection: Projection) -> float:
-    """The request's prefill by the learned step line (its prompts' tokens x the line's slope;
-    0 until the line is measured)."""
-    line = costs.line()
-    return 0.0 if line is None else sum(projection.prompt_tokens) * line[1]
+    """The request's prefill by the learned step model (its prompts' tokens x what a prompt
+    token adds to a step; 0 until that is measured)."""
+    per_token = costs.prefill_seconds_per_token()
+    return 0.0 if per_token is None else sum(projection.prompt_tokens) * per_token

@@ -425,9 +425,16 @@ def cost_families(state: KVState) -> list[Metric]:
         ),
         (
             "engine_step_seconds_per_token",
-            "What each token processed in a step adds to vLLM's step time (the slope of step time "
-            "against tokens per step, learned from vllm:iteration_tokens_total).",
+            "What each prompt token computed adds to vLLM's time (finished requests' prefill "
+            "time less a decode step, over their prompt tokens less prefix-cache hits; from "
+            "vllm:request_prefill_time_seconds and vllm:request_prompt_tokens).",
             state.step_seconds_per_token,
+        ),
+        (
+            "engine_step_seconds_per_sequence",
+            "What each sequence in the batch adds to vLLM's decode step (the slope of its "
+            "inter-token latency against its running requests; the rest is the fixed share).",
+            state.step_seconds_per_sequence,
         ),
         (
             "engine_prefill_tokens_per_step",
@@ -437,8 +444,9 @@ def cost_families(state: KVState) -> list[Metric]:
         ),
         (
             "engine_step_fixed_share",
-            "The share of vLLM's decode step that does not grow with the batch (the step line's "
-            "base over the recent decode step): reading the weights, once per step for all.",
+            "The share of vLLM's decode step that does not grow with the batch (the decode "
+            "line's base over its step at the recent batch): reading the weights, once per step "
+            "for all.",
             state.step_fixed_share,
         ),
         (
