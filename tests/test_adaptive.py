@@ -72,17 +72,28 @@ def admitted(ac: AdmissionController, projection: Projection, klass: str = "chat
     return count
 
 
+def dear(clock: Clock, **kw: object) -> AdmissionController:
+    """A controller that has learned an engine where a 300-token chat's recompute is dear
+    (a GPU-like 26 ms decode step of 64 sequences, 0.25 ms a prompt token: 3-4 steps), so its
+    end is the length quantile that recompute asks for (0.75 here), not the floor a cheap one
+    is risked at (``test_a_cheap_recompute_is_risked_as_vllm_risks_it``)."""
+    ac = controller(clock, **kw)
+    _costly(ac, clock, per_token=2.5e-4, running=64)
+    return ac
+
+
 def test_a_cold_chat_without_max_tokens_is_not_reserved_to_the_end_of_the_context() -> None:
     """300-token chats without max_tokens on 64 blocks of 128: worst-case reserves each to 2,048
-    tokens (16 blocks: 4 run); a cold adaptive sidecar risks 256 output tokens (5 blocks: 12 run,
-    what vLLM would admit by their prompts and first answer blocks)."""
+    tokens (16 blocks: 4 run); a cold adaptive sidecar, whose recompute of 556 tokens costs half
+    a decode step by the prior, admits them as vLLM does, by their prompts (3 blocks: 21 run),
+    its 256 output tokens telling only where they likely end."""
     clock = Clock()
     worst = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.0)
     worst.on_snapshot(snapshot(clock))
     assert admitted(worst, chat(300)) == 4
     ac = controller(clock)
     assert ac.ends(chat(300), "chat:none") == (COLD_OUTPUT_TOKENS,)
-    assert admitted(ac, chat(300)) == 12
+    assert admitted(ac, chat(300)) == 21
 
 
 def test_an_answer_past_its_cold_floor_is_expected_to_double() -> None:
@@ -101,7 +112,7 @@ def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_histogram() -
     and 10 of 100-200. The class takes the 0.75-quantile bound of that history (each bucket's
     answers spread evenly over its range: the 87th of 110 lengths, 94), not the cold floor."""
     clock = Clock()
-    ac = controller(clock)
+    ac = dear(clock)
     history = ((20.0, 0.0), (50.0, 0.0), (100.0, 100.0), (200.0, 110.0), (float("inf"), 110.0))
     ac.on_snapshot(snapshot(clock, generation_lengths=history))
     assert ac.learner.seeded == 110
@@ -118,7 +129,7 @@ def test_the_histograms_sum_narrows_its_buckets() -> None:
     each bucket from its lower bound that sums to that, and the class reserves less than the
     even spread's 94, yet at least the answers' own 0.75-quantile (60)."""
     clock = Clock()
-    ac = controller(clock)
+    ac = dear(clock)
     history = ((20.0, 0.0), (50.0, 0.0), (100.0, 100.0), (200.0, 110.0), (float("inf"), 110.0))
     ac.on_snapshot(snapshot(clock, generation_lengths=history, generation_lengths_sum=7100.0))
     assert ac.learner.seeded == 110
@@ -129,30 +140,37 @@ def test_the_histograms_sum_narrows_its_buckets() -> None:
 
 def test_history_with_answers_past_the_last_bucket_reserves_to_max_tokens() -> None:
     clock = Clock()
-    ac = controller(clock)
+    ac = dear(clock)
     ac.on_snapshot(snapshot(clock, generation_lengths=((1000.0, 2.0), (float("inf"), 20.0))))
     assert ac.ends(chat(300), "chat:none") == (MAX_MODEL_LEN - 300,)
 
 
 def _costly(ac: AdmissionController, clock: Clock, *, per_token: float, running: int = 8) -> None:
-    """Teach the controller an engine whose step takes 10 ms + ``per_token`` per token, with
-    ``running`` sequences decoding: prefill steps among decode steps, then decode alone long
-    enough for the smoothed decode step (weight 0.2 a scrape) to hold under 1 % of the mixed
-    ones."""
+    """Teach the controller an engine whose decode step takes 10 ms + ``per_token`` per
+    sequence and whose prefill adds ``per_token`` per prompt token, with ``running`` sequences
+    decoding: half the batch for a while (the line's base is told from its slope only where the
+    batch varied), 256-token prompts finishing their prefill among the decode steps, then the
+    full batch long enough for the smoothed decode step (weight 0.2 a scrape) to be its own."""
     prev = snapshot(clock, running=running)
     ac.on_snapshot(prev)
     for k in range(32):
         clock.now += 0.5
-        tokens = running + (256 if k % 2 and k < 8 else 0)
-        step = 0.010 + per_token * tokens
-        steps = 0.5 / step
+        batch = running // 2 + 1 if k < 16 and k % 2 else running
+        step = 0.010 + per_token * batch
+        tokens = 0.5 / step * batch
+        prompts = 2 if k < 16 else 0
         prev = dataclasses.replace(
             prev,
             taken_at=clock(),
-            steps_total=prev.steps_total + steps,
-            step_tokens_total=prev.step_tokens_total + steps * tokens,
-            inter_token_latency_sum=prev.inter_token_latency_sum + steps * running * step,
-            inter_token_latency_count=prev.inter_token_latency_count + steps * running,
+            running=batch,
+            generation_tokens_total=prev.generation_tokens_total + tokens,
+            inter_token_latency_sum=prev.inter_token_latency_sum + tokens * step,
+            inter_token_latency_count=prev.inter_token_latency_count + tokens,
+            prefill_seconds_sum=prev.prefill_seconds_sum + prompts * (step + per_token * 256),
+            prefill_count=prev.prefill_count + prompts,
+            prompt_tokens_sum=prev.prompt_tokens_sum + prompts * 256,
+            prompt_count=prev.prompt_count + prompts,
+            prompt_tokens_total=prev.prompt_tokens_total + prompts * 256,
         )
         ac.on_snapshot(prev)
     ac.on_snapshot(dataclasses.replace(prev, running=0, taken_at=clock()))
@@ -250,7 +268,7 @@ def test_a_request_risked_at_the_floor_is_not_widened_by_preemptions() -> None:
 
 def test_a_preemption_widens_adaptive_reservations() -> None:
     clock = Clock()
-    ac = controller(clock)
+    ac = dear(clock)
     ac.on_snapshot(snapshot(clock, preemptions_total=1))
     ac.on_snapshot(snapshot(clock, preemptions_total=2))
     (end,) = ac.ends(chat(300), "chat:none")
@@ -291,7 +309,7 @@ def test_a_named_max_tokens_is_reserved_whole_where_answers_run_to_it() -> None:
     history = ((50.0, 20.0), (100.0, 100.0), (float("inf"), 100.0))
     for at_length, stopped, named in ((90.0, 10.0, 800), (10.0, 90.0, 88)):
         clock = Clock()
-        ac = controller(clock)
+        ac = dear(clock)
         ac.on_snapshot(
             snapshot(
                 clock,
@@ -397,7 +415,7 @@ def test_a_request_beside_many_in_flight_is_reserved_lower_than_one_alone() -> N
     near the top of that range; with fifteen in flight beside it, near the middle; the
     worst-case sum is never what is reserved."""
     clock = Clock()
-    ac = controller(clock)
+    ac = dear(clock)
     for n in range(64):
         ac.learner.observe("chat:none", 30 + (190 * n) // 63)
     alone = ac.ends(chat(100), "chat:none")[0]
@@ -429,3 +447,46 @@ def test_beside_others_a_costly_recompute_is_reserved_to_the_pools_tail_not_max_
     for _ in range(64):
         named.learner.observe("chat:none", 100, at_max=True)
     assert named.ends(chat(1500, max_tokens=400), "chat:400", in_flight=15) == (400,)
+
+
+def test_a_cheap_recompute_is_risked_as_vllm_risks_it() -> None:
+    """On an engine whose prefill costs 5 us a token beside a 10 ms step (the CPU engine's
+    shape), a 300-token chat's recompute is a fraction of a step: chats are admitted as vLLM
+    admits them, by their prompts (3 blocks: 21 in 64), with 40 answers of 150-250 tokens
+    learned; with a prefill of 0.25 ms a token beside a 26 ms step (a GPU-like engine), the
+    same chats cost 3-4 steps to recompute and are reserved to their length quantile, so
+    fewer run at once."""
+    clock = Clock()
+    cheap = controller(clock)
+    _costly(cheap, clock, per_token=5e-6, running=64)
+    dearer = dear(clock)
+    for ac in (cheap, dearer):
+        for length in range(150, 250, 2):
+            ac.learner.observe("chat:none", length)
+    assert cheap.pools[0].view.costs.recompute_steps(500) < 1
+    assert dearer.pools[0].view.costs.recompute_steps(500) > 2
+    assert admitted(cheap, chat(300)) == 21
+    # 4 blocks each at their pool's length quantile (vLLM would preempt some of 21)
+    assert admitted(dearer, chat(300)) == 15
+
+
+def test_the_exported_ends_per_class_stay_within_each_class_while_preemptions_widen_them() -> None:
+    """``kv_sidecar_expected_output_tokens`` per class: after vLLM's preemptions widen the
+    reservations (the boost), a class bucketed by max_tokens is still at most its bucket, and a
+    class without max_tokens (whose widened end is a share of each request's rest of the
+    context) is left out rather than exported as a share of an unbounded length."""
+    clock = Clock()
+    ac = dear(clock)
+    for n in (20, 40, 60, 12, 16):
+        for _ in range(40):
+            ac.learner.observe("completions:16", min(n, 16))
+            ac.learner.observe("chat:none", n * 3)
+    ac.on_snapshot(snapshot(clock))
+    calm = ac.reserving.per_class(ac.pools[0].view.costs)
+    assert set(calm) == {"completions:16", "chat:none"}, calm
+    assert 0 < calm["completions:16"] <= 16 and 0 < calm["chat:none"] <= 180, calm
+    ac.learner.tighten()
+    assert ac.learner.boost > 0
+    widened = ac.reserving.per_class(ac.pools[0].view.costs)
+    assert set(widened) == {"completions:16"}, widened
+    assert calm["completions:16"] <= widened["completions:16"] <= 16, widened

@@ -7,14 +7,18 @@ from dataclasses import dataclass
 
 import pytest
 
+from sidecar.admission.engine_view import EngineView
 from sidecar.admission.fit import (
+    PRIMED_SEQUENCES,
     PoolState,
     budget_blocks,
     committed_blocks,
     fits,
+    held_now_blocks,
     in_flight_peak,
     room_blocks,
 )
+from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.prefix import block_hashes
@@ -247,3 +251,93 @@ def test_an_answer_past_its_reserved_end_turns_the_shortcut_off() -> None:
     assert not fits(ledger, cand, pool, headroom=0.0, strict=False)
     ledger.release(res)
     assert ledger.overruns == 0
+
+
+# --- admitted as vLLM admits (adaptive mode's cheap recomputes) ------------------------------
+
+
+#: the sidecar's admitted requests vLLM has not started: as many as may wait in its queue
+WAITING = [Running(16, 16, generated=None)] * PRIMED_SEQUENCES
+TWO = [Running(64, 4000, generated=100)] * 2  # 2 x 11 blocks held now
+
+
+@pytest.mark.parametrize(
+    ("running", "used", "candidate", "fits_now_"),
+    [
+        # vLLM's rule: the prompt fits beside what is held now (22 blocks) and the prompts
+        # waiting for vLLM (4 x 1), however far the answers may grow: 26 + 3 of 30 fits ...
+        (TWO + WAITING, None, proj(48, 4000), True),
+        (TWO + WAITING, None, proj(64, 4000), True),
+        # ... 26 + 5 does not
+        (TWO + WAITING, None, proj(80, 4000), False),
+        # vLLM reports more than the ledger (traffic that bypasses the sidecar): its figure
+        (TWO + WAITING, 25, proj(48, 4000), False),
+        # fewer waiting for vLLM than may: it waits there too
+        (TWO + WAITING[1:], 25, proj(48, 4000), True),
+    ],
+)
+def test_a_risked_candidate_fits_as_vllm_admits(
+    running: list[Running], used: int | None, candidate: Projection, fits_now_: bool
+) -> None:
+    """30 blocks of budget. The future peak of every case is far over it (answers of up to
+    4,000 tokens): without ``risked`` none fits."""
+    ledger = ledger_of(running)
+    pool = PoolState(capacity_blocks=30, used_blocks=used, external_blocks=0, stale=False)
+    cand = ledger.candidate(candidate, streamed=True)
+    assert not fits(ledger, cand, pool, headroom=0.0, strict=False)
+    assert fits(ledger, cand, pool, headroom=0.0, strict=False, risked=True) is fits_now_
+
+
+def test_a_few_risked_requests_may_wait_in_vllms_own_queue() -> None:
+    """A full pool: a risked request is admitted anyway while fewer than PRIMED_SEQUENCES the
+    sidecar admitted wait for vLLM to start them (vLLM starts each when its prompt fits, by the
+    same rule), and not beyond."""
+    ledger = ledger_of([Running(64, 4000, generated=300)])  # 23 blocks held
+    pool = PoolState(capacity_blocks=24, used_blocks=None, external_blocks=0, stale=False)
+    admitted = 0
+    while fits(
+        ledger, ledger.candidate(proj(64, 4000), streamed=True), pool, headroom=0.0,
+        strict=False, risked=True,
+    ):
+        ledger.reserve(proj(64, 4000), streamed=True)
+        admitted += 1
+        assert admitted <= PRIMED_SEQUENCES
+    assert admitted == PRIMED_SEQUENCES
+    assert held_now_blocks(ledger, pool) == 23 + 4 * PRIMED_SEQUENCES
+
+
+def test_what_vllm_held_at_the_scrape_falls_by_what_ended_since() -> None:
+    """vLLM held 20 blocks at the scrape; a request of 8 (a 64-token prompt and 60 tokens of
+    answer, 16 tokens a block) ended since: 12 are taken as held, where the scrape's 20 would
+    hold admission back until the next one. A prompt block another request in flight holds
+    stays held, and so do the full prompt blocks a request's own n sequences shared."""
+    ledger = Ledger(BLOCKS)
+    view = EngineView(ledger)
+    view.update(
+        EngineSnapshot(
+            taken_at=0.0, block_size=16, num_gpu_blocks=101, engines=1, kv_cache_usage=0.2,
+            running=2, preemptions_total=0, generation_tokens_total=0, cache_dtype="auto",
+            prefix_caching=True, kv_cache_memory_bytes=None, has_cache_config=True,
+        )
+    )
+    assert view.used_now_blocks() == 20
+    shared = (block_hashes(SHARED_PROMPT, block_size=16),)
+    a = ledger.reserve(proj(64, 100), streamed=True, prefix=shared)
+    b = ledger.reserve(proj(64, 100), streamed=True, prefix=shared)
+    for res in (a, b):
+        ledger.start(res)
+        ledger.advance(res, 60)
+    assert a.predicted_blocks == 8
+    ledger.release(a)  # its 3 shared prompt blocks stay: b holds them
+    assert view.used_now_blocks() == 15
+    ledger.release(b)  # b's all go
+    assert view.used_now_blocks() == 7
+    pair = ledger.reserve(proj(64, 100, n=2), streamed=True, prefix=shared)
+    ledger.start(pair)
+    ledger.advance(pair, 60)
+    assert pair.predicted_blocks == 16  # two sequences of 8, the 3 full prompt blocks held once
+    ledger.release(pair)
+    assert view.used_now_blocks() == 0  # 7 - 13, at least 0
+    unstarted = ledger.reserve(proj(64, 100), streamed=True)
+    ledger.release(unstarted)  # never started: vLLM held nothing for it that the scrape saw
+    assert ledger.freed_total == 8 + 5 + 13

@@ -246,6 +246,7 @@ class AdmissionController:
             headroom=self.headroom,
             strict=self.reservation_mode is ReservationMode.worst_case,
             reserve_blocks=self.reserve_blocks(pool, priority),
+            risked=self._risked(pool, candidate),
         ):
             return False
         if self.tpot_target is not None:
@@ -260,6 +261,16 @@ class AdmissionController:
                 self._held_by_latency = True
                 return False
         return True
+
+    def _risked(self, pool: Pool, candidate: Reservation) -> bool:
+        """Whether adaptive mode admits ``candidate`` as vLLM admits (``Ends.risked``: its
+        batch gain pays even for a certain recompute), every prompt of it."""
+        costs = pool.view.costs
+        projection = candidate.projection
+        return all(
+            self.reserving.risked(candidate.klass, p, m, costs)
+            for p, m in zip(projection.prompt_tokens, projection.max_tokens, strict=True)
+        )
 
     # --- placing ----------------------------------------------------------------------------
 

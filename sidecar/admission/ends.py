@@ -45,6 +45,14 @@ from sidecar.config import ReservationMode
 COLD_OUTPUT_TOKENS = 256
 #: ... as long as the quantile the recompute's cost asks for is at most this one
 COLD_QUANTILE = 0.9
+#: a recompute that costs at most this many decode steps is risked as vLLM risks every request
+#: (admitted when its prompt fits: ``risked``), whatever the batch gains: a preemption then costs
+#: the engine about what a step or two of the batch does, a small part of any answer's run,
+#: where holding requests back costs the batch they would have joined. On the CPU engine a
+#: chat's recompute is about a step (prompts of a few hundred tokens at ~5-10 us a token, as
+#: measured on an idle machine, beside a 3-40 ms step); on a GPU an 8B's prompts of a few
+#: hundred tokens are within it, prompts of thousands are not
+CHEAP_RECOMPUTE_STEPS = 2.0
 #: the highest quantile the pool's answers are reserved to where a recompute costs more than
 #: one request alone may risk even at 0.99 (beyond it the expansion and 32 answers say little)
 MAX_POOLED_QUANTILE = 0.999
@@ -77,6 +85,38 @@ class Ends:
             return self.learner.end(klass, max_tokens)
         return self._adaptive(klass, prompt_tokens, max_tokens, costs, concurrency)
 
+    def risked(self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> bool:
+        """Whether the request is admitted as vLLM admits a request (its prompt fits now:
+        ``sidecar.admission.fit.fits_now``): in adaptive mode, where running it in the batch
+        now saves more than even a certain recompute would cost. Its reserved end
+        (:meth:`end`) then only tells the others' fit tests where it likely ends."""
+        if self.mode is not ReservationMode.adaptive:
+            return False
+        if runs_to_max(klass):
+            return self._risks_to_max(prompt_tokens, max_tokens, costs)
+        return self._choice(klass, prompt_tokens, max_tokens, costs)[0] == SURE
+
+    def _choice(
+        self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts
+    ) -> tuple[float | None, int, float, float]:
+        """The length quantile adaptive mode reserves the request to (None: none is safe
+        enough alone; :data:`SURE`: even a certain recompute pays), with its class's likely
+        length, the batch gain it may risk and what its recompute costs, in decode steps."""
+        likely = min(max_tokens, self.learner.likely(klass) or COLD_OUTPUT_TOKENS)
+        # the recompute a request may risk: what running it in the batch saves (measured; it
+        # may then be reserved to the median), at least --risk-steps
+        gain = costs.gain_steps(likely)
+        recompute = costs.recompute_steps(prompt_tokens + likely)
+        risk = max(self.risk_steps, gain)
+        if recompute <= CHEAP_RECOMPUTE_STEPS:
+            return SURE, likely, risk, recompute
+        quantile = reserve_quantile(
+            recompute,
+            risk_steps=risk,
+            quantiles=GAIN_QUANTILES if gain > self.risk_steps else QUANTILES,
+        )
+        return quantile, likely, risk, recompute
+
     def _adaptive(
         self,
         klass: str,
@@ -86,17 +126,7 @@ class Ends:
         concurrency: float = 1.0,
     ) -> int:
         learner = self.learner
-        likely = min(max_tokens, learner.likely(klass) or COLD_OUTPUT_TOKENS)
-        # the recompute a request may risk: what running it in the batch saves (measured; it
-        # may then be reserved to the median), at least --risk-steps
-        gain = costs.gain_steps(likely)
-        recompute = costs.recompute_steps(prompt_tokens + likely)
-        risk = max(self.risk_steps, gain)
-        quantile = reserve_quantile(
-            recompute,
-            risk_steps=risk,
-            quantiles=GAIN_QUANTILES if gain > self.risk_steps else QUANTILES,
-        )
+        quantile, likely, risk, recompute = self._choice(klass, prompt_tokens, max_tokens, costs)
         if quantile is None:
             # too costly a recompute for one request alone even at 0.99; beside others, the
             # pool's answers together may still outrun rarely enough: at 1 - risk / recompute
@@ -132,12 +162,21 @@ class Ends:
         """An ``ignore_eos`` request reaches its ``max_tokens``: every quantile of its length is
         that. Only adaptive mode, where running it now saves more than even a certain recompute
         costs, risks it from the floor as vLLM does; otherwise all of it is reserved."""
-        if self.mode is ReservationMode.adaptive:
-            gain = costs.gain_steps(max_tokens)
-            recompute = costs.recompute_steps(prompt_tokens + max_tokens)
-            if gain > self.risk_steps and gain >= recompute:
-                return min(COLD_OUTPUT_TOKENS, max_tokens)
+        if self.mode is ReservationMode.adaptive and self._risks_to_max(
+            prompt_tokens, max_tokens, costs
+        ):
+            return min(COLD_OUTPUT_TOKENS, max_tokens)
         return max_tokens
+
+    def _risks_to_max(self, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> bool:
+        """Whether a request that runs to its ``max_tokens`` is risked as vLLM risks it: only
+        where running it now saves more than even a certain recompute costs. A cheap recompute
+        alone does not do: its length is known, so its whole trajectory is (what vLLM's own
+        benchmark client sends), and vLLM would preempt it for certain where the pool cannot
+        hold it to its end."""
+        recompute = costs.recompute_steps(prompt_tokens + max_tokens)
+        gain = costs.gain_steps(max_tokens)
+        return gain > self.risk_steps and gain >= recompute
 
     def _pooled_tail(self, klass: str, quantile: float, max_tokens: int, concurrency: float) -> int:
         """Where one request alone would be reserved to ``max_tokens``: beside others in flight,
@@ -167,7 +206,16 @@ class Ends:
             return {k: n for k, n in self.learner.classes().items() if n is not None}
         out = {}
         for klass in self.learner.classes():
-            end = self._adaptive(klass, 0, UNBOUNDED, costs)
+            # a class bucketed by max_tokens ("chat:512") is reserved at most its bucket; one
+            # without (no max_tokens, a header's name) is unbounded here, and while vLLM's
+            # preemptions widen reservations (the boost) its end is a share of each request's
+            # own rest of the context: not a figure of the class, so left out then
+            _, _, bucket = klass.partition(":")
+            bucket = bucket.split("+", 1)[0]
+            max_tokens = int(bucket) if bucket.isdigit() else UNBOUNDED
+            if max_tokens == UNBOUNDED and self.learner.boost:
+                continue
+            end = self._adaptive(klass, 0, max_tokens, costs)
             if end < UNBOUNDED:
                 out[klass] = end
         return out

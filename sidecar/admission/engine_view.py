@@ -31,10 +31,13 @@ class EngineView:
         self.seconds_per_step: float | None = None  # one decode step of every running sequence
         self.at_snapshot: tuple[int, int] | None = None  # (predicted blocks, in flight)
         self.costs = EngineCosts()  # the engine's step and recompute costs
+        #: the ledger's ``freed_total`` when the snapshot was taken (:meth:`used_now_blocks`)
+        self.freed_at_snapshot = 0
 
     def update(self, snap: EngineSnapshot) -> float:
         """Take a new snapshot; returns the preemptions vLLM made since the last one."""
         prev, self.snapshot = self.snapshot, snap
+        self.freed_at_snapshot = self.ledger.freed_total
         if snap.capacity_blocks is not None:
             self.capacity_blocks = snap.capacity_blocks
         preempted = 0.0
@@ -54,6 +57,18 @@ class EngineView:
             slack = len(self.ledger)
             self.external_blocks = max(0, used - predicted - slack)
         return preempted
+
+    def used_now_blocks(self) -> int | None:
+        """What vLLM holds now, as far as the sidecar can tell: its usage at the last scrape
+        less the blocks of the requests that ended since (each request's own blocks; prompt
+        blocks another request in flight holds stay). Without it, a wave of answers that ends
+        just after a scrape holds admission back until the next one, as if vLLM still held
+        them (measured on the CPU engine: up to a scrape interval after every release, with
+        the ledger's own projection far below). None: not reported."""
+        snap = self.snapshot
+        if snap is None or snap.used_blocks is None:
+            return None
+        return max(0, snap.used_blocks - (self.ledger.freed_total - self.freed_at_snapshot))
 
     def _hidden_progress(self, prev: EngineSnapshot, snap: EngineSnapshot) -> None:
         """Advance running non-streamed requests by their share of vLLM's generated tokens (they

@@ -96,16 +96,20 @@ def fits(
     headroom: float,
     strict: bool,
     reserve_blocks: int = 0,
+    risked: bool = False,
 ) -> bool:
     """Whether ``candidate`` fits in the pool now (``strict``: worst-case mode, where every
     request runs to its reserved end and no further; ``reserve_blocks``: blocks of the budget
-    the candidate may not take, kept for better priorities, none into an empty pool)."""
+    the candidate may not take, kept for better priorities, none into an empty pool;
+    ``risked``: the candidate is admitted as vLLM admits, :func:`fits_now`)."""
     full = budget_blocks(pool.capacity_blocks, headroom)
     if full is None:
         return True  # nothing known yet (fail-open start-up): vLLM is the only judge
     budget = full if len(ledger) == 0 else full - max(0, reserve_blocks)
     prompt = candidate.projection.prompt_blocks
     exact = candidate.projection.exact
+    if risked and exact:
+        return fits_now(ledger, candidate, pool, budget)
     if exact and (strict or ledger.overruns == 0):
         # in worst-case mode always; in the others while no answer has run past its reserved end
         # (one that has is expected to grow beyond what it reserved)
@@ -128,6 +132,44 @@ def fits(
             return False
     peak = in_flight_peak(ledger, candidate)
     return committed_blocks(peak, pool, prompt_blocks=prompt) <= budget
+
+
+def held_now_blocks(ledger: Ledger, pool: PoolState) -> int:
+    """What the pool holds now and what the requests admitted but not started will take at
+    once: the ledger's started requests at their size now, or vLLM's own figure where it is
+    higher (on fresh figures; what vLLM holds beyond the ledger counts too), and the admitted
+    requests' prompts.
+
+    >>> from sidecar.kv.geometry import UniformBlocks
+    >>> held_now_blocks(Ledger(UniformBlocks(16)), PoolState(100, 30, 0, stale=False))
+    30
+    """
+    held = ledger.predicted_blocks
+    if not pool.stale:
+        held += pool.external_blocks
+        if pool.used_blocks is not None:
+            held = max(held, pool.used_blocks)
+    return held + ledger.unstarted_prompt_blocks
+
+
+#: requests admitted as vLLM admits (``risked``) may wait in vLLM's own queue while fewer than
+#: this many sequences admitted by the sidecar have not started there: a request waiting in vLLM
+#: holds no block, and vLLM starts it the moment its prompt fits, where one held here reaches
+#: vLLM only after the sidecar sees room and sends it (a scrape, a release, the relay and vLLM's
+#: own rendering later). Without it, on the CPU engine, chats without max_tokens on a pool of
+#: 31 blocks ran behind the sidecar with idle gaps between a release and the next admission.
+PRIMED_SEQUENCES = 4
+
+
+def fits_now(ledger: Ledger, candidate: Reservation, pool: PoolState, budget: int) -> bool:
+    """vLLM's own admission: the candidate's prompt fits beside what the pool holds now
+    (:func:`held_now_blocks`), or few requests the sidecar admitted wait for vLLM to start them
+    (:data:`PRIMED_SEQUENCES`: vLLM then starts it when its prompt fits, by that same rule). No
+    future is laid out: adaptive mode admits so a request whose batch gain pays even for a
+    certain recompute (``sidecar.admission.ends``), as vLLM admits every request."""
+    if ledger.unstarted_sequences + candidate.projection.sequences <= PRIMED_SEQUENCES:
+        return True
+    return held_now_blocks(ledger, pool) + candidate.projection.prompt_blocks <= budget
 
 
 def room_blocks(ledger: Ledger, pool: PoolState, *, headroom: float) -> int:

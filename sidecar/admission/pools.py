@@ -50,8 +50,7 @@ class Pool:
 def pool_state(pool: Pool, stale: bool) -> PoolState:
     """What the fit test may use of vLLM's figures for ``pool``."""
     view = pool.view
-    used = view.snapshot.used_blocks if view.snapshot is not None else None
-    return PoolState(view.capacity_blocks, used, view.external_blocks, stale)
+    return PoolState(view.capacity_blocks, view.used_now_blocks(), view.external_blocks, stale)
 
 
 class Pools:
@@ -217,6 +216,7 @@ class Pools:
             expected_output_tokens=reserving.per_class(self.live[0].view.costs),
             decode_step_seconds=costs.decode_step_seconds,
             step_seconds_per_token=costs.step_seconds_per_token,
+            step_seconds_per_sequence=costs.step_seconds_per_sequence,
             prefill_tokens_per_step=costs.prefill_tokens_per_step,
             step_fixed_share=costs.fixed_share,
             batch_gain_steps_per_token=costs.gain_steps_per_token,

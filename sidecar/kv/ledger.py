@@ -137,6 +137,14 @@ class Ledger:
         #: bumped by every change to a trajectory: the profiles below are valid while it holds
         self.version = 0
         self.started_sequences = 0  # the sequences of started requests in flight
+        #: the prompt blocks of the requests admitted but not started (vLLM may hold them now)
+        self.unstarted_prompt_blocks = 0
+        self.unstarted_sequences = 0  # ... and their sequences
+        #: the blocks vLLM dropped for the started requests released so far (a running total:
+        #: what vLLM holds fell by its growth since a scrape, ``sidecar.admission.pools``), less
+        #: the prompt blocks another request in flight still holds (``_holders``)
+        self.freed_total = 0
+        self._holders: dict[int, int] = {}  # prefix chain hash -> requests in flight holding it
         self._profiles: dict[bool, tuple[int, Profile]] = {}
         self._bounds: dict[bool, Bound] = {}  # the profiles kept past changes, as upper bounds
         self._builds = 0
@@ -198,6 +206,13 @@ class Ledger:
         res.admitted_at = self._clock()
         self._active[res.id] = res
         self.reserved_blocks += res.reserved_blocks
+        if not res.started:
+            self.unstarted_prompt_blocks += res.projection.prompt_blocks
+            self.unstarted_sequences += res.projection.sequences
+        holders = self._holders
+        for hashes in res.prefix or ():
+            for h in hashes:
+                holders[h] = holders.get(h, 0) + 1
         self.peak_blocks += res.projection.peak_blocks
         self._rows.add(res, hashed=self.share_prefixes)
         self.version += 1
@@ -213,6 +228,8 @@ class Ledger:
         res.started_at = self._clock()
         self._set_predicted(res, res.projection.blocks_at(int(res.generated), self.blocks))
         if res.id in self._active:
+            self.unstarted_prompt_blocks -= res.projection.prompt_blocks
+            self.unstarted_sequences -= res.projection.sequences
             # laid out from its prompt until now, from what it has generated from now on
             self._moved(res, 0, int(res.generated), self._rows.update(res))
             self.version += 1
@@ -259,6 +276,24 @@ class Ledger:
         self.version += 1
         if res.started:
             self.started_sequences -= res.projection.sequences
+        else:
+            self.unstarted_prompt_blocks -= res.projection.prompt_blocks
+            self.unstarted_sequences -= res.projection.sequences
+        # its prompt blocks another request in flight still holds, and those its own n
+        # sequences held once (vLLM shares full prompt blocks between a request's sequences)
+        kept = 0
+        holders = self._holders
+        for hashes in res.prefix or ():
+            kept += (res.projection.n - 1) * len(hashes)
+            for h in hashes:
+                left = holders.get(h, 0) - 1
+                if left > 0:
+                    holders[h] = left
+                    kept += 1
+                else:
+                    holders.pop(h, None)
+        if res.started:
+            self.freed_total += max(0, res.predicted_blocks - kept)
         if res.overran:
             self.overruns -= 1
         self.reserved_blocks -= res.reserved_blocks
