@@ -36,6 +36,7 @@ from harness.workload import SidecarProcess, make_prompts, metric_value
 from tests.conftest import VllmInfo
 from tests.support.fake_process import FakeProcess
 from tests.support.faultkit import ThreadedSidecar, ToughFake, proc_stats
+from tests.support.stepped import frozen_engine
 from tests.support.wait import wait_for
 
 Record = Any  # pytest's record_property fixture
@@ -160,16 +161,17 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
             # it), and none can end before the kill, however fast vLLM decodes and however far
             # behind this client reads (vLLM merges a slow consumer's tokens into fewer events:
             # counting events proves nothing). vLLM's engine core and worker are frozen from the
-            # start (SIGSTOP to its process group, SIGCONT to the API server alone, the group's
-            # leader): the API server renders the prompts and answers with its headers without
-            # the engine, and no token is made. Were it ever to wait on the engine, the engine
-            # gets a 20 ms pulse each second without progress. (20 ms pulses between checks were
-            # not enough: a fresh-clone CI run finished a 900-token answer before the client saw
-            # the five requests' headers.)
+            # start until the kill (SIGSTOP to its process group, SIGCONT to the API server
+            # alone, the group's leader): the API server renders the prompts and answers with its
+            # headers without the engine, and no token is made, so no answer can have ended at
+            # the kill. (20 ms pulses of the engine between checks were not enough: a
+            # fresh-clone CI run finished a 900-token answer before the client saw the five
+            # requests' headers; a pulse a second still let the engine run for as long as the
+            # checks took on a busy host. None is given now: headers that needed the engine
+            # would fail this wait, never let an answer end first.)
             os.killpg(server.proc.pid, signal.SIGSTOP)
             os.kill(server.proc.pid, signal.SIGCONT)
             deadline = time.monotonic() + 120
-            pulse_at = time.monotonic() + 1.0
             while True:
                 before = await asyncio.to_thread(state, sc)
                 if before["in_flight"] == 5 and all(s.status == 200 for s in streams):
@@ -179,12 +181,6 @@ async def test_vllm_killed_mid_stream_then_back_on_the_same_port(
                     f"120 s: {before}, {streams}"
                 )
                 assert not any(t.done() for t in tasks), (before, streams, sc.log()[-3000:])
-                if time.monotonic() >= pulse_at:
-                    os.killpg(server.proc.pid, signal.SIGCONT)
-                    await asyncio.sleep(0.02)
-                    os.killpg(server.proc.pid, signal.SIGSTOP)
-                    os.kill(server.proc.pid, signal.SIGCONT)
-                    pulse_at = time.monotonic() + 1.0
                 await asyncio.sleep(0.05)
             os.killpg(server.proc.pid, signal.SIGSTOP)  # the API server too: nothing relayed
             before = await asyncio.to_thread(state, sc)
@@ -611,6 +607,25 @@ def paused(server: VllmServer | None) -> Iterator[None]:
         os.killpg(server.proc.pid, signal.SIGCONT)
 
 
+def _stop_engine(vllm: VllmInfo) -> None:
+    """vLLM's engine core and worker stopped, its API server running (``frozen_engine``)."""
+    assert vllm.server is not None and vllm.server.proc is not None
+    os.killpg(vllm.server.proc.pid, signal.SIGSTOP)
+    os.kill(vllm.server.proc.pid, signal.SIGCONT)
+
+
+async def _pulse_engine(vllm: VllmInfo) -> None:
+    """Inside ``frozen_engine``: the engine let run 20 ms every 200 ms, until cancelled."""
+    assert vllm.server is not None and vllm.server.proc is not None
+    while True:
+        await asyncio.sleep(0.2)
+        os.killpg(vllm.server.proc.pid, signal.SIGCONT)
+        try:
+            await asyncio.sleep(0.02)
+        finally:
+            _stop_engine(vllm)
+
+
 @pytest.mark.vllm
 async def test_client_disconnects_abort_upstream_and_release_the_reservation(
     vllm: VllmInfo, record_property: Record
@@ -670,19 +685,33 @@ async def test_client_disconnects_abort_upstream_and_release_the_reservation(
             # vLLM saw H's prompt only: B never reached it
             assert after_b["prompt"] - base["prompt"] == prompt_tokens, (base, after_b)
 
-            # A leaves mid-stream, after a few events
+            # A leaves mid-stream, after a few events. Its engine runs only in pulses of 20 ms
+            # until the client has read 5 events, and is stopped as the client leaves: on the
+            # free-running engine a busy host's client read its fifth event after vLLM had
+            # finished all 900 tokens (a fresh-clone CI run), and then nothing is cut short.
             a = Stream()
             body_a = completion_body(short[2], max_tokens, stream=True, model=model)
-            async with client.stream("POST", sc.url + "/v1/completions", json=body_a) as resp:
-                async for line in resp.aiter_lines():
-                    a.events += line.startswith("data: {")
-                    if a.events >= 5:
-                        break  # leaving the block closes the connection mid-stream
-            t0 = time.monotonic()
-            assert a.events == 5
-            out["mid_stream_released_s"] = await sidecar_until(
-                client, sc, "A released", _empty, RELEASE_WITHIN, since=t0
-            )
+            with frozen_engine(vllm):
+                pulsing = asyncio.ensure_future(_pulse_engine(vllm))
+                try:
+                    async with client.stream(
+                        "POST", sc.url + "/v1/completions", json=body_a
+                    ) as resp:
+                        async for line in resp.aiter_lines():
+                            a.events += line.startswith("data: {")
+                            if a.events >= 5:
+                                pulsing.cancel()
+                                break  # leaving the block closes the connection mid-stream
+                finally:
+                    pulsing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await pulsing
+                    _stop_engine(vllm)  # however the pulse ended: no step from here
+                t0 = time.monotonic()
+                assert a.events == 5
+                out["mid_stream_released_s"] = await sidecar_until(
+                    client, sc, "A released", _empty, RELEASE_WITHIN, since=t0
+                )
             out["mid_stream_vllm_running_0_s"] = await engine.until(
                 "running 0 after A", lambda v: v["running"] == 0, VLLM_STOP_WITHIN, since=t0
             )
@@ -691,40 +720,38 @@ async def test_client_disconnects_abort_upstream_and_release_the_reservation(
             out["mid_stream_vllm_generated"] = after_a["generated"] - after_b["generated"]
             assert out["mid_stream_vllm_generated"] < max_tokens, (after_b, after_a)
 
-            # C leaves during its prefill: admitted and forwarded, no token back yet. The window
-            # is one prefill long (tens of ms): a few tries to close the socket inside it.
+            # C leaves during its prefill: admitted and forwarded, no token back yet. That window
+            # is one prefill long (tens of ms) on the free-running engine, and catching it took a
+            # few tries on a busy host; so C is sent with vLLM's engine stopped (frozen_engine:
+            # the API server takes C and answers with its headers, no step runs), which holds the
+            # sidecar in that window for as long as the test needs, on any host.
             c_max_tokens = vllm.max_model_len - 901
             request = raw_post(completion_body(long_prompt, c_max_tokens, stream=True, model=model))
-            in_prefill = False
-            tries = 0
-            while not in_prefill and tries < 8:
-                tries += 1
-                before = await engine.settled()
+            before = await engine.settled()
+            with frozen_engine(vllm):
                 sock = socket.create_connection(("127.0.0.1", sc.port))
                 sock.sendall(request)
-                # no sleep between reads: the window is one prefill long
-                admitted_by = time.monotonic() + 30
-                while (s := (await client.get(sc.metrics_url + "/state")).json())["in_flight"] < 1:
-                    assert time.monotonic() < admitted_by, f"C not admitted within 30 s: {s}"
-                # vLLM frozen as the client leaves: it cannot finish C's short answer first
-                with paused(vllm.server):
-                    sock.close()
-                    t0 = time.monotonic()
-                    in_prefill = s["predicted_blocks"] == 0  # no token had reached the sidecar
-                    out["mid_prefill_released_s"] = await sidecar_until(
-                        client, sc, "C released", _empty, RELEASE_WITHIN, since=t0
-                    )
-                out["mid_prefill_vllm_running_0_s"] = await engine.until(
-                    "running 0 after C",
-                    lambda v: v["running"] == 0 and v["waiting"] == 0,
-                    VLLM_STOP_WITHIN,
-                    since=t0,
+                # vLLM's headers relayed: C was admitted and forwarded, and vLLM took it
+                head = await asyncio.to_thread(read_until, sock, b"\r\n\r\n", 60)
+                assert head.startswith(b"HTTP/1.1 200"), head[:300]
+                s = (await client.get(sc.metrics_url + "/state")).json()
+                # one in flight, and no token has reached the sidecar
+                assert s["in_flight"] == 1 and s["predicted_blocks"] == 0, s
+                assert b"data: {" not in head, head[-300:]
+                sock.close()
+                t0 = time.monotonic()
+                out["mid_prefill_released_s"] = await sidecar_until(
+                    client, sc, "C released", _empty, RELEASE_WITHIN, since=t0
                 )
-                after_c = await engine.settled()
-                out["mid_prefill_vllm_generated"] = after_c["generated"] - before["generated"]
-                assert out["mid_prefill_vllm_generated"] < c_max_tokens, (before, after_c)
-            assert in_prefill, f"never closed inside a prefill in {tries} tries"
-            out["mid_prefill_tries"] = tries
+            out["mid_prefill_vllm_running_0_s"] = await engine.until(
+                "running 0 after C",
+                lambda v: v["running"] == 0 and v["waiting"] == 0,
+                VLLM_STOP_WITHIN,
+                since=t0,
+            )
+            after_c = await engine.settled()
+            out["mid_prefill_vllm_generated"] = after_c["generated"] - before["generated"]
+            assert out["mid_prefill_vllm_generated"] < c_max_tokens, (before, after_c)
 
             # D leaves while vLLM generates its (non-streamed) answer: D is admitted and sent,
             # then vLLM is frozen (SIGSTOP: however fast it decodes, it cannot finish the answer

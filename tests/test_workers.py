@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
-from harness.workload import SidecarProcess, burst, make_prompts, metric_value
+from harness.workload import Result, SidecarProcess, burst, make_prompts, metric_value
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import Outcome, Reason
@@ -43,6 +43,7 @@ from sidecar.kv.trajectory import Trajectory, future_peak
 from tests.conftest import VllmInfo
 from tests.support.external import unless_external
 from tests.support.owners import admission_owner
+from tests.support.stepped import frozen_engine
 from tests.support.vllm_idle import idle_preemptions
 from tests.support.wait import eventually
 
@@ -584,7 +585,13 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
     """Streamed completions of 100 prompt tokens and 700 output tokens, four more than vLLM's
     pool holds at their ends (13 on the harness's 64 blocks of 128 tokens), sent at once
     through ``--workers 2`` in worst-case mode: straight to vLLM they would run out of KV
-    blocks (the premise); through the sidecar vLLM does not preempt once."""
+    blocks (the premise); through the sidecar vLLM does not preempt once.
+
+    The burst is sent with vLLM's engine stopped (``frozen_engine``), so that the owner decides
+    every request of it before any token is made, on any host: exactly as many as the budget
+    holds at their peaks run, the rest queue (8 and 5 on the session vLLM), asserted at that
+    instant; then the engine runs them all. The workers' counts reach the owner in their
+    periodic reports, so they are awaited, then asserted exactly."""
     if vllm.model_dir is None:
         unless_external("needs the model's tokenizer to make prompts of an exact length")
     prompt_tokens, max_tokens = 100, 700
@@ -600,11 +607,36 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
     with SidecarProcess(
         vllm.url, "--workers", "2", "--reservation", "worst-case", "--max-queue-wait", "600"
     ) as sc:
-        results = asyncio.run(burst(sc.url, prompts, max_tokens=max_tokens))
+        running = sc.state()["budget_blocks"] // per_request
+        assert 1 <= running < count, sc.state()
+
+        async def send() -> tuple[list[Result], dict[str, Any]]:
+            with frozen_engine(vllm):
+                sent = asyncio.ensure_future(burst(sc.url, prompts, max_tokens=max_tokens))
+                # every request decided, none can end: what fits runs, the rest wait
+                state = await asyncio.to_thread(
+                    wait_for,
+                    lambda: (s := sc.state())["in_flight"] + s["queue_depth"] == count and s,
+                    120.0,
+                    f"the burst of {count} decided with the engine stopped",
+                )
+                assert not sent.done(), sent.result()
+            return await sent, state
+
+        results, decided = asyncio.run(send())
+        assert (decided["in_flight"], decided["queue_depth"]) == (running, count - running), decided
         assert [r.status for r in results] == [200] * count, [r.error for r in results]
         assert [r.completion_tokens for r in results] == [max_tokens] * count
+        # every request decided once, as the workers report it (a report reaches the owner
+        # after the answer): the queue the frozen burst formed, exactly
+        wait_for(
+            lambda: sum(served_by(sc).values()) == count,
+            60.0,
+            f"the workers' reports of {count} requests",
+        )
         text = sc.metrics()
-        # the queue formed (the pool could not take them all), every request decided once
-        assert (metric_value(text, "kv_sidecar_requests_total", reason="queued") or 0) > 0
+        assert metric_value(text, "kv_sidecar_requests_total", reason="fits") == running, text
+        queued = metric_value(text, "kv_sidecar_requests_total", reason="queued")
+        assert queued == count - running, text
         assert sum(served_by(sc).values()) == count, served_by(sc)
     assert idle_preemptions(vllm.url) == before
