@@ -1,7 +1,8 @@
 """Adaptive admission (the default) in front of vLLM's own server and scheduler on the simulated
 GPU (``harness.sim_vllm``), stepped by hand: a cold sidecar runs chats without ``max_tokens`` at
-vLLM's own concurrency where worst-case holds them to two, and a sidecar started beside a vLLM
-that has answered takes its first lengths from vLLM's history.
+vLLM's own concurrency where worst-case holds them to two, admits them by their prompts (as vLLM
+does) where their cold floors would not fit together, and a sidecar started beside a vLLM that
+has answered takes its first lengths from vLLM's history.
 
 One simulated server per module: Llama-3.1-8B's config on an H100 80 GB with 400 blocks of 16
 tokens and a 2,048-token context. In manual mode the engine runs a step only when the test grants
@@ -49,7 +50,7 @@ def sim() -> Iterator[SimServer]:
         server.stop()
 
 
-def sidecar(sim: SimServer, reservation: str) -> SidecarProcess:
+def sidecar(sim: SimServer, reservation: str, *extra: str) -> SidecarProcess:
     return SidecarProcess(
         sim.url,
         "--reservation",
@@ -60,6 +61,7 @@ def sidecar(sim: SimServer, reservation: str) -> SidecarProcess:
         "queue",
         "--scrape-interval",
         "0.1",
+        *extra,
     )
 
 
@@ -158,6 +160,29 @@ def test_a_cold_sidecar_admits_chats_without_max_tokens_to_vllms_concurrency(
         per_request = math.ceil((prompt_tokens(sim) + 256) / BLOCK)
     assert (state["in_flight"], state["queue_depth"]) == (12, 0), state
     assert state["reserved_blocks"] == 12 * per_request, state
+
+
+def test_where_the_floor_does_not_fit_chats_are_admitted_by_their_prompts_as_vllm_admits(
+    sim: SimServer,
+) -> None:
+    """The same twelve chats on a budget of 159 blocks (``--headroom 0.6``): at the cold floor of
+    256 output tokens each (about 23 blocks) their future peak holds some back (with the rule
+    below off, eight ran and four waited), but a recompute of a ~100-token prompt costs well
+    under two decode steps, so each is admitted as vLLM admits a request, by its prompt (7
+    blocks): twelve prompts fit in 159 blocks, and all twelve run, as vLLM alone would run them.
+    Worst-case on the same budget runs none beside the first (128 blocks each: one alone is
+    admitted into an empty pool and no second fits)."""
+    tokens = prompt_tokens(sim)
+    prompt_blocks = math.ceil(tokens / BLOCK)
+    floor_blocks = math.ceil((tokens + 256) / BLOCK)
+    with sidecar(sim, "adaptive", "--headroom", "0.6") as adaptive:
+        state = admitted_while_held(sim, adaptive, 12)
+    # the premise: the floors do not fit together, the prompts do
+    assert 12 * prompt_blocks <= state["budget_blocks"] < 12 * floor_blocks, state
+    assert (state["in_flight"], state["queue_depth"]) == (12, 0), state
+    with sidecar(sim, "worst-case", "--headroom", "0.6") as worst:
+        state = admitted_while_held(sim, worst, 12)
+    assert (state["in_flight"], state["queue_depth"]) == (1, 11), state
 
 
 def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_history(
