@@ -5,6 +5,7 @@ recompute costs on this engine, and the decode-step target."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import statistics
 from collections.abc import Callable
@@ -490,3 +491,29 @@ def test_the_exported_ends_per_class_stay_within_each_class_while_preemptions_wi
     widened = ac.reserving.per_class(ac.pools[0].view.costs)
     assert set(widened) == {"completions:16"}, widened
     assert calm["completions:16"] <= widened["completions:16"] <= 16, widened
+
+
+def test_only_a_cheap_recompute_is_admitted_by_its_prompt() -> None:
+    """Where the batch gain pays for even a certain recompute but the recompute itself costs
+    more than two decode steps (600-token prompts with 300-500-token answers, a batch of 20 on
+    a step of 10 ms + 27 us a token: about 2.7 steps), a request is reserved from the floor and
+    laid out by the future peak, not admitted by its prompt as vLLM admits: admitting long
+    prompts with long answers by their prompts is what makes vLLM run dry mid-decode. A
+    40-token prompt of the same class recomputes in under two steps and is admitted by its
+    prompt."""
+    clock = Clock()
+    ac = controller(clock)
+    _costly(ac, clock, per_token=2.7e-5, running=20)
+    for length in range(300, 500, 5):
+        ac.learner.observe("completion:1000", length)
+    costs = ac.pools[0].view.costs
+    likely = ac.learner.likely("completion:1000")
+    assert likely is not None
+    assert costs.recompute_steps(600 + likely) > 2 >= costs.recompute_steps(40 + likely)
+    (end,) = ac.ends(completion(600, 1000), "completion:1000")
+    assert end == COLD_OUTPUT_TOKENS  # the gain pays: the floor
+    assert not ac.reserving.risked("completion:1000", 600, 1000, costs)
+    assert ac.reserving.risked("completion:1000", 40, 1000, costs)
+    # by the future peak at the floor: 7 blocks each (600 + 256 tokens), 9 in 64; by their
+    # prompts (5 blocks each) vLLM's rule would have admitted 12
+    assert admitted(ac, completion(600, 1000), "completion:1000") == 64 // math.ceil(856 / 128)

@@ -46,7 +46,7 @@ COLD_OUTPUT_TOKENS = 256
 #: ... as long as the quantile the recompute's cost asks for is at most this one
 COLD_QUANTILE = 0.9
 #: a recompute that costs at most this many decode steps is risked as vLLM risks every request
-#: (admitted when its prompt fits: ``risked``), whatever the batch gains: a preemption then costs
+#: (admitted when its prompt fits: ``Ends.risked``), whatever the batch gains: a preemption costs
 #: the engine about what a step or two of the batch does, a small part of any answer's run,
 #: where holding requests back costs the batch they would have joined. On the CPU engine a
 #: chat's recompute is about a step (prompts of a few hundred tokens at ~5-10 us a token, as
@@ -87,14 +87,21 @@ class Ends:
 
     def risked(self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> bool:
         """Whether the request is admitted as vLLM admits a request (its prompt fits now:
-        ``sidecar.admission.fit.fits_now``): in adaptive mode, where running it in the batch
-        now saves more than even a certain recompute would cost. Its reserved end
-        (:meth:`end`) then only tells the others' fit tests where it likely ends."""
-        if self.mode is not ReservationMode.adaptive:
+        ``sidecar.admission.fit.fits_now``): in adaptive mode, where its recompute costs at most
+        :data:`CHEAP_RECOMPUTE_STEPS` decode steps. Its reserved end (:meth:`end`) then only
+        tells the others' fit tests where it likely ends.
+
+        Not where only the batch gain pays for a certain recompute (long prompts with long
+        answers on a weight-bound engine): such a request is reserved from the floor and laid
+        out by the future peak as before, since admitting every one of them by its prompt is
+        what makes vLLM run dry mid-decode and preempt the same requests again and again
+        (measured on the simulated 8B: the thrash burst preempted 17-24 times a run, as direct
+        did, where the floor by the future peak preempted none). Nor an ``ignore_eos`` request:
+        its whole trajectory is known."""
+        if self.mode is not ReservationMode.adaptive or runs_to_max(klass):
             return False
-        if runs_to_max(klass):
-            return self._risks_to_max(prompt_tokens, max_tokens, costs)
-        return self._choice(klass, prompt_tokens, max_tokens, costs)[0] == SURE
+        likely = min(max_tokens, self.learner.likely(klass) or COLD_OUTPUT_TOKENS)
+        return costs.recompute_steps(prompt_tokens + likely) <= CHEAP_RECOMPUTE_STEPS
 
     def _choice(
         self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts
