@@ -170,7 +170,6 @@ def _costly(ac: AdmissionController, clock: Clock, *, per_token: float, running:
             prefill_seconds_sum=prev.prefill_seconds_sum + prompts * (step + per_token * 256),
             prefill_count=prev.prefill_count + prompts,
             prompt_tokens_sum=prev.prompt_tokens_sum + prompts * 256,
-            prompt_count=prev.prompt_count + prompts,
             prompt_tokens_total=prev.prompt_tokens_total + prompts * 256,
         )
         ac.on_snapshot(prev)

@@ -60,7 +60,6 @@ class Engine:
             + prompts * (step + self.per_token * computed),
             prefill_count=s.prefill_count + prompts,
             prompt_tokens_sum=s.prompt_tokens_sum + prompts * prompt,
-            prompt_count=s.prompt_count + prompts,
             prompt_tokens_total=s.prompt_tokens_total + prompts * prompt,
             prompt_tokens_cached=s.prompt_tokens_cached + prompts * prompt * cached,
         )

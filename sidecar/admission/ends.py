@@ -100,8 +100,13 @@ class Ends:
         its whole trajectory is known."""
         if self.mode is not ReservationMode.adaptive or runs_to_max(klass):
             return False
-        likely = min(max_tokens, self.learner.likely(klass) or COLD_OUTPUT_TOKENS)
+        likely = self._likely(klass, max_tokens)
         return costs.recompute_steps(prompt_tokens + likely) <= CHEAP_RECOMPUTE_STEPS
+
+    def _likely(self, klass: str, max_tokens: int) -> int:
+        """Where an answer of ``klass`` likely ends, within ``max_tokens`` (the cold floor while
+        nothing is known)."""
+        return min(max_tokens, self.learner.likely(klass) or COLD_OUTPUT_TOKENS)
 
     def _choice(
         self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts
@@ -109,7 +114,7 @@ class Ends:
         """The length quantile adaptive mode reserves the request to (None: none is safe
         enough alone; :data:`SURE`: even a certain recompute pays), with its class's likely
         length, the batch gain it may risk and what its recompute costs, in decode steps."""
-        likely = min(max_tokens, self.learner.likely(klass) or COLD_OUTPUT_TOKENS)
+        likely = self._likely(klass, max_tokens)
         # the recompute a request may risk: what running it in the batch saves (measured; it
         # may then be reserved to the median), at least --risk-steps
         gain = costs.gain_steps(likely)

@@ -71,17 +71,12 @@ _GENERATION_BUCKET = "request_generation_tokens_bucket"
 _GENERATION_SUM = "request_generation_tokens_sum"  # ... and their summed lengths
 #: answers by how they ended (``finished_reason``): the share that ran to their max_tokens
 _SUCCESS = "request_success_total"
-#: tokens per engine step (a histogram): its count is the steps the engine made, its sum the
-#: tokens they processed (prefill and decode), what a step's cost per token is learned from
-_STEP_TOKENS_SUM = "iteration_tokens_total_sum"
-_STEPS = "iteration_tokens_total_count"
 #: finished requests' prefill (from being scheduled to their first token, engine-core time) and
 #: prompt lengths, and the prompt tokens vLLM took in and found in its prefix cache: what a
 #: prefill, and so a preemption's recompute, costs against a decode step
 _PREFILL_SUM = "request_prefill_time_seconds_sum"
 _PREFILL_COUNT = "request_prefill_time_seconds_count"
 _PROMPT_SUM = "request_prompt_tokens_sum"
-_PROMPT_COUNT = "request_prompt_tokens_count"
 _PROMPT_TOKENS = "prompt_tokens_total"
 _PROMPT_CACHED = "prompt_tokens_cached_total"
 #: LoRA adapters running and waiting, as labels of a gauge vLLM sets to the time of each update
@@ -110,11 +105,8 @@ _WANTED = frozenset(
         _PREFILL_SUM,
         _PREFILL_COUNT,
         _PROMPT_SUM,
-        _PROMPT_COUNT,
         _PROMPT_TOKENS,
         _PROMPT_CACHED,
-        _STEP_TOKENS_SUM,
-        _STEPS,
         _LORA_INFO,
         _ADMISSION_REJECTIONS,
         *_OLD_NAMES,
@@ -165,12 +157,9 @@ class EngineSnapshot:
     generation_lengths_sum: float | None = None  # the same histogram's sum (None: not given)
     answers_at_length: float = 0.0  # answers that ran to their max_tokens (finished "length")
     answers_stopped: float = 0.0  # answers that ended on their own (finished "stop")
-    steps_total: float = 0.0  # engine steps made since vLLM started
-    step_tokens_total: float = 0.0  # tokens those steps processed (prefill and decode)
     prefill_seconds_sum: float = 0.0  # finished requests' prefills (scheduled to first token),
     prefill_count: float = 0.0  # summed and counted
-    prompt_tokens_sum: float = 0.0  # finished requests' prompts, summed and counted
-    prompt_count: float = 0.0
+    prompt_tokens_sum: float = 0.0  # finished requests' prompt tokens, summed
     prompt_tokens_total: float = 0.0  # prompt tokens vLLM took in, and of them those its
     prompt_tokens_cached: float = 0.0  # prefix cache held (not computed)
     #: the newest ``vllm:lora_requests_info`` sample (its labels and value), when vLLM serves LoRA
@@ -303,12 +292,9 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         else None,
         answers_at_length=ended.get("length", 0.0),
         answers_stopped=ended.get("stop", 0.0),
-        steps_total=_total(by_name, _STEPS),
-        step_tokens_total=_total(by_name, _STEP_TOKENS_SUM),
         prefill_seconds_sum=_total(by_name, _PREFILL_SUM),
         prefill_count=_total(by_name, _PREFILL_COUNT),
         prompt_tokens_sum=_total(by_name, _PROMPT_SUM),
-        prompt_count=_total(by_name, _PROMPT_COUNT),
         prompt_tokens_total=_total(by_name, _PROMPT_TOKENS),
         prompt_tokens_cached=_total(by_name, _PROMPT_CACHED),
         cache_dtype=_label_str(first_config, "cache_dtype"),
@@ -360,12 +346,9 @@ def _engine_snapshot(
         generation_tokens_total=value(_GENERATION_TOKENS),
         inter_token_latency_sum=value(_ITL_SUM),
         inter_token_latency_count=value(_ITL_COUNT),
-        steps_total=value(_STEPS),
-        step_tokens_total=value(_STEP_TOKENS_SUM),
         prefill_seconds_sum=value(_PREFILL_SUM),
         prefill_count=value(_PREFILL_COUNT),
         prompt_tokens_sum=value(_PROMPT_SUM),
-        prompt_count=value(_PROMPT_COUNT),
         prompt_tokens_total=value(_PROMPT_TOKENS),
         prompt_tokens_cached=value(_PROMPT_CACHED),
         cache_dtype=_label_str(config, "cache_dtype"),
