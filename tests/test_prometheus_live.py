@@ -99,6 +99,14 @@ UNMOVED_BY_THE_LOAD = ('reason="engine_queue_full"',)
 #: Series the sidecar exports only in expected mode (--reservation expected): the load runs in
 #: worst-case mode (the default), where panels over them are empty and say why (their noValue).
 EXPECTED_MODE_ONLY = ("kv_sidecar_expected_output_tokens",)
+#: Learned figures exported only once measured (docs/metrics.md): the decode line's slope, and
+#: the batch gain from it, need a batch that varied and a positive slope, which a short load on a
+#: busy host may not give (a fresh-clone CI run saw neither); their panels' other queries must
+#: still return data.
+MEASURED_WHEN_THE_BATCH_VARIED = (
+    "kv_sidecar_engine_step_seconds_per_sequence",
+    "kv_sidecar_engine_batch_gain_steps_per_token",
+)
 
 _LABEL_VALUES = re.compile(r"label_values\((?P<selector>.+),\s*(?P<label>\w+)\)")
 _REGEX_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}]")
@@ -426,7 +434,15 @@ def _expected_mode_only(outcome: Outcome) -> bool:
 
 
 def test_every_panel_query_returns_data(outcomes: list[Outcome]) -> None:
-    failed = sorted({o.title for o in outcomes if not o.ok and not _expected_mode_only(o)})
+    failed = sorted(
+        {
+            o.title
+            for o in outcomes
+            if not o.ok
+            and not _expected_mode_only(o)
+            and not any(m in o.expr for m in MEASURED_WHEN_THE_BATCH_VARIED)
+        }
+    )
     assert not failed, f"panels without data: {failed}\n{_table(outcomes)}"
 
 
