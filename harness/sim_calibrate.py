@@ -32,10 +32,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from harness.gpus import gpu
+from harness.sim_cost import ModelShape, SeqWork
 
 #: vLLM histograms read as per-step figures (mean over the level: sum / count differences)
 STEP_HISTOGRAMS = {
@@ -174,6 +178,82 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def probe_batch(case: dict[str, Any]) -> list[SeqWork]:
+    """The batch a :mod:`harness.gpu_probe` case timed, as the cost model takes it."""
+    kind = case["kind"]
+    if kind == "decode":
+        return [SeqWork(1, int(case["context"]) - 1)] * int(case["batch"])
+    if kind == "prefill":
+        return [SeqWork(int(case["tokens"]), 0)] * int(case["sequences"])
+    if kind == "chunk":
+        return [SeqWork(int(case["tokens"]), int(case["context"]))]
+    if kind == "mixed":
+        decode = [SeqWork(1, int(case["context"]) - 1)] * int(case["batch"])
+        return [*decode, SeqWork(int(case["tokens"]), 0)]
+    raise ValueError(f"unknown probe case kind {kind!r}")
+
+
+def probe_rows(probe: dict[str, Any], gpu_name: str, model_config: str) -> list[dict[str, Any]]:
+    """Each measured case of a probe against ``step_cost`` for the same batch.
+
+    The probe times one tensor-parallel rank without its all-reduces, so the simulated figure
+    compared is the step's linear, attention and overhead parts (its all-reduce is shown apart).
+    """
+    from harness.sim_cost import step_cost
+    from harness.sim_server import model_config as config_path
+
+    model = ModelShape.from_config(json.loads(config_path(model_config).read_text()))
+    spec = gpu(gpu_name)
+    tp = int(probe.get("tp", 1))
+    rows = []
+    for case in probe["cases"]:
+        if "seconds" not in case:
+            continue
+        batch = probe_batch(case)
+        cost = step_cost(model, spec, batch, tp=tp)
+        sim = cost.seconds - cost.allreduce_seconds
+        real = float(case["seconds"])
+        rows.append(
+            {
+                "case": " ".join(
+                    f"{k}={v}" for k, v in case.items() if k not in ("seconds", "samples_s")
+                ),
+                "tokens": sum(w.new_tokens for w in batch),
+                "real_s": real,
+                "sim_s": sim,
+                "sim_over_real": sim / real,
+                "allreduce_s": cost.allreduce_seconds,
+                "bytes_per_s": (cost.weight_bytes + cost.kv_bytes) / real,
+                "flops_per_s": (cost.linear_flops + cost.attention_flops) / real,
+            }
+        )
+    return rows
+
+
+def format_probe(probe: dict[str, Any], gpu_name: str, rows: list[dict[str, Any]]) -> str:
+    spec = gpu(gpu_name)
+    head = (
+        f"{probe.get('device')} ({probe.get('model_config')}, tp {probe.get('tp', 1)}, "
+        f"torch {probe.get('torch')}): copy {probe['copy_bytes_per_second'] / 1e12:.2f} TB/s "
+        f"({probe['copy_bytes_per_second'] / spec.hbm_bytes_per_second:.0%} of {spec.name}'s "
+        f"{spec.hbm_bytes_per_second / 1e12:.2f}), bf16 GEMM "
+        f"{probe['bf16_gemm_flops_per_second'] / 1e12:.0f} TFLOP/s "
+        f"({probe['bf16_gemm_flops_per_second'] / spec.bf16_dense_flops_per_second:.0%} of "
+        f"{spec.bf16_dense_flops_per_second / 1e12:.0f})"
+    )
+    lines = [
+        head,
+        f"{'case':<44} {'real ms':>9} {'sim ms':>9} {'sim/real':>8} {'TB/s':>6} {'TFLOP/s':>8}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['case']:<44} {r['real_s'] * 1e3:>9.2f} {r['sim_s'] * 1e3:>9.2f} "
+            f"{r['sim_over_real']:>8.2f} {r['bytes_per_s'] / 1e12:>6.2f} "
+            f"{r['flops_per_s'] / 1e12:>8.0f}"
+        )
+    return "\n".join(lines)
+
+
 @contextmanager
 def simulation(args: argparse.Namespace, max_model_len: int) -> Iterator[str]:
     if args.sim_url:
@@ -193,7 +273,12 @@ def simulation(args: argparse.Namespace, max_model_len: int) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.sim_calibrate", description=__doc__)
-    p.add_argument("--real-url", required=True, help="a real (GPU) vLLM serving the model")
+    p.add_argument("--real-url", default="", help="a real (GPU) vLLM serving the model")
+    p.add_argument(
+        "--probe",
+        default="",
+        help="instead of a real vLLM: a harness.gpu_probe JSON, printed against step_cost",
+    )
     p.add_argument("--sim-url", default="", help="a simulation already running (else started)")
     p.add_argument("--gpu", default="h100-80gb")
     p.add_argument("--model-config", default="llama-3.1-8b-instruct")
@@ -204,6 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.probe:
+        try:
+            probe = json.loads(Path(args.probe).read_text())
+            rows = probe_rows(probe, args.gpu, args.model_config)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"sim_calibrate: {args.probe}: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(rows) if args.json else format_probe(probe, args.gpu, rows))
+        return 0
+    if not args.real_url:
+        print("sim_calibrate: give --real-url or --probe", file=sys.stderr)
+        return 2
     levels = [int(c) for c in args.concurrency.split(",") if c]
     real_model, max_model_len = served_model(args.real_url)
     with simulation(args, max_model_len) as sim_url:

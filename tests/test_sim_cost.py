@@ -199,3 +199,95 @@ def test_gpu_names() -> None:
 def test_doctests(module: object) -> None:
     result = doctest.testmod(module)  # type: ignore[arg-type]
     assert result.attempted > 0 and result.failed == 0
+
+
+# --- checked against measured kernels: harness.gpu_probe's H200 runs, committed raw -----------
+
+PROBES = Path(__file__).resolve().parent.parent / "bench" / "results" / "gpu-probe"
+
+
+def probe(name: str, tp: int) -> dict[str, object]:
+    return dict(json.loads((PROBES / f"probe-{name}-tp{tp}.json").read_text()))
+
+
+def test_a_probe_case_is_the_batch_it_timed() -> None:
+    from harness.sim_calibrate import probe_batch
+
+    assert probe_batch({"kind": "decode", "batch": 3, "context": 512}) == [SeqWork(1, 511)] * 3
+    assert probe_batch({"kind": "prefill", "sequences": 2, "tokens": 64}) == [SeqWork(64, 0)] * 2
+    assert probe_batch({"kind": "chunk", "tokens": 64, "context": 128}) == [SeqWork(64, 128)]
+    mixed = probe_batch({"kind": "mixed", "batch": 2, "context": 9, "tokens": 32})
+    assert mixed == [SeqWork(1, 8), SeqWork(1, 8), SeqWork(32, 0)]
+    with pytest.raises(ValueError, match="unknown probe case"):
+        probe_batch({"kind": "sample"})
+
+
+def test_a_probe_row_is_step_cost_without_the_all_reduce() -> None:
+    from harness.sim_calibrate import probe_rows
+
+    data = probe("llama-3.1-70b-instruct", 8)
+    rows = probe_rows(data, "h200", "llama-3.1-70b-instruct")
+    assert len(rows) == len(data["cases"])  # type: ignore[arg-type]
+    m, spec = shape("llama-3.1-70b-instruct"), gpu("h200")
+    first = rows[0]  # decode, batch 1, 512 tokens of context
+    cost = step_cost(m, spec, [SeqWork(1, 511)], tp=8)
+    assert first["allreduce_s"] == cost.allreduce_seconds > 0
+    assert first["sim_s"] == pytest.approx(cost.seconds - cost.allreduce_seconds)
+    assert first["sim_over_real"] == pytest.approx(first["sim_s"] / first["real_s"])
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b-instruct", "qwen2.5-7b-instruct"])
+def test_the_cost_model_agrees_with_the_h200_kernels_at_tp_1(name: str) -> None:
+    """The cost model's constants against one GPU's measured steps (docs/simulated-engine.md,
+    Accuracy): at tensor parallel 1 the median simulated-to-measured ratio of the CUDA-graph
+    decode steps and of the prefill, chunk and mixed steps stays within 20%. Fails when a
+    constant moves the model off what the GPU did."""
+    import statistics
+
+    from harness.sim_calibrate import probe_rows
+
+    rows = probe_rows(probe(name, 1), "h200", name)
+    decode = [
+        r["sim_over_real"]
+        for r in rows
+        if r["case"].startswith("kind=decode") and "graphs=0" not in r["case"]
+    ]
+    compute = [r["sim_over_real"] for r in rows if not r["case"].startswith("kind=decode")]
+    assert len(decode) >= 15 and len(compute) >= 9
+    assert 0.8 <= statistics.median(decode) <= 1.2
+    assert 0.8 <= statistics.median(compute) <= 1.2
+
+
+@pytest.mark.vllm
+def test_the_gpu_probe_runs_every_kind_of_case(tmp_path: Path) -> None:
+    """harness.gpu_probe's code paths on the CPU (``--small``), with the vLLM venv's PyTorch:
+    every case is timed and none records an error, and the calibration prints them."""
+    import subprocess
+
+    from harness.sim_calibrate import probe_rows
+    from harness.vllm_cpu import ensure_vllm
+
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 1000,
+                "num_hidden_layers": 2,
+            }
+        )
+    )
+    out = tmp_path / "probe.json"
+    argv = ["-m", "harness.gpu_probe", "--model-config", str(config), "--small"]
+    argv += ["--out", str(out), "--iters", "2", "--repeats", "2"]
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([str(ensure_vllm()), *argv], cwd=root, check=True, timeout=300)
+    data = json.loads(out.read_text())
+    kinds = {c["kind"] for c in data["cases"]}
+    assert kinds == {"decode", "prefill", "chunk", "mixed"}
+    assert all("error" not in c and c["seconds"] > 0 for c in data["cases"]), data["cases"]
+    rows = probe_rows(data, "h200", str(config))
+    assert [r["tokens"] for r in rows] == [2, 4, 32, 16, 18]
