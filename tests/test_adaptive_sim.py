@@ -185,6 +185,25 @@ def test_where_the_floor_does_not_fit_chats_are_admitted_by_their_prompts_as_vll
     assert (state["in_flight"], state["queue_depth"]) == (1, 11), state
 
 
+def test_a_chat_over_the_budget_but_within_the_pool_is_served_not_refused(
+    sim: SimServer,
+) -> None:
+    """On a budget smaller than one context (``--headroom 0.7``: 119 blocks, a chat without
+    max_tokens reaches 128) every such chat was refused with 413 "can never run", though vLLM's
+    pool of 400 blocks serves it. Now adaptive admits all twelve by their prompts, and
+    worst-case runs one alone (nothing beside it) while the others wait: none is refused."""
+    with sidecar(sim, "adaptive", "--headroom", "0.7") as adaptive:
+        state = admitted_while_held(sim, adaptive, 12)
+    # the premise: a chat's worst case is over the budget and within the pool
+    assert state["budget_blocks"] < MAX_MODEL_LEN // BLOCK <= state["capacity_blocks"], state
+    assert (state["in_flight"], state["queue_depth"]) == (12, 0), state
+    with sidecar(sim, "worst-case", "--headroom", "0.7") as worst:
+        state = admitted_while_held(sim, worst, 12)
+        refused = metric_value(worst.metrics(), "kv_sidecar_requests_total", reason="too_large")
+    assert (state["in_flight"], state["queue_depth"]) == (1, 11), state
+    assert not refused
+
+
 def test_a_sidecar_beside_a_vllm_that_has_answered_starts_from_its_history(
     sim: SimServer,
 ) -> None:

@@ -194,6 +194,7 @@ async def test_the_admin_api_refuses_while_off(upstream: FakeServer) -> None:
 async def test_a_patch_applies_to_the_next_decision_and_is_logged_and_exported(
     upstream: FakeServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    upstream.app.kv_cache_usage = 2 / 63  # vLLM holds 2 blocks the sidecar did not admit
     async with run_sidecar(upstream, admin=True) as stack:
         assert (await stack.client.post("/v1/completions", json=body(900))).status_code == 200
         assert (await stack.state())["budget_blocks"] == 59  # 63 blocks less 5 %
@@ -206,9 +207,10 @@ async def test_a_patch_applies_to_the_next_decision_and_is_logged_and_exported(
             {"name": "headroom", "old": 0.05, "new": 0.9},
             {"name": "policy", "old": "queue", "new": "reject"},
         ]
-        # the budget is 6 blocks now: the same request (8 blocks at its peak) can never fit
+        # the budget is 6 blocks now: the same request (8 blocks at its peak) would run only
+        # alone, and vLLM holds 2 blocks beside the sidecar
         refused = await stack.client.post("/v1/completions", json=body(900))
-        openai_error(refused, 413, "kv_budget_exceeded")
+        openai_error(refused, 429, "kv_cache_full")
         state = await stack.state()
         assert state["budget_blocks"] == 6
         assert state["settings"] == {
@@ -218,8 +220,8 @@ async def test_a_patch_applies_to_the_next_decision_and_is_logged_and_exported(
             "spill_wait": 2.0,
             "policy": "reject",
         }
-        assert state["refusals_total"] == {"too_large": 1}
-        assert state["refusals_recent"] == {"too_large": 1}
+        assert state["refusals_total"] == {"kv_cache_full": 1}
+        assert state["refusals_recent"] == {"kv_cache_full": 1}
         assert stack.sample("kv_sidecar_setting", setting="headroom") == 0.9
         assert stack.sample("kv_sidecar_setting_changes_total", setting="headroom") == 1
         assert stack.sample("kv_sidecar_setting_changes_total", setting="max_queue_wait") == 0
@@ -331,15 +333,16 @@ def test_status_prints_a_served_sidecar_and_a_change_applies_to_every_worker(
             timeout=10,
         )
         assert resp.status_code == 200, resp.text
-        # both relay workers ask the owner, who decides by the new budget (6 blocks): new
-        # connections until each worker has taken some (the kernel picks the worker)
+        # both relay workers ask the owner, who refuses 8 sequences of 8 blocks (more than the
+        # 63 of vLLM's pool): new connections until each worker has taken some (the kernel
+        # picks the worker)
         sent = 0
         with httpx.Client(base_url=sc.url, timeout=30) as client:
             for _ in range(40):
                 sent += 1
                 refused = client.post(
                     "/v1/completions",
-                    json=body(900),
+                    json={**body(900), "n": 8},
                     headers={
                         "connection": "close",
                         "x-kv-sidecar-tenant": "etl",

@@ -185,10 +185,28 @@ def test_headroom_and_external_usage_shrink_the_budget() -> None:
 
 def test_a_request_that_can_never_fit_is_refused_at_once() -> None:
     clock = Clock()
-    ac = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.9)
-    ac.on_snapshot(snapshot(clock))  # budget 6 blocks
-    d = ac.try_admit(Ask(proj(), streamed=True))
+    ac = controller(clock)  # vLLM's pool: 63 usable blocks
+    d = ac.try_admit(Ask(proj(n=8), streamed=True))  # 8 sequences of 8 blocks at their peak
     assert d is not None and d.reason == "too_large" and d.retry_after is None
+    assert "can reach 64 KV blocks" in d.message and "holds 63 blocks" in d.message
+
+
+def test_a_request_over_the_budget_but_within_the_pool_runs_alone() -> None:
+    """The headroom keeps a margin between requests; it must not refuse one that vLLM serves
+    alone (a chat without max_tokens reaches the whole context, which a pool sized for one
+    context holds but not 95% of it). It runs when nothing else does, and nothing joins it."""
+    clock = Clock()
+    ac = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.9)
+    ac.on_snapshot(snapshot(clock))  # budget 6 of 63 blocks
+    big = ac.try_admit(Ask(proj(), streamed=True))  # 8 blocks at its peak
+    assert big is not None and big.admitted and big.reason == "fits"
+    assert ac.try_admit(Ask(proj(), streamed=True)) is None  # queued, not refused
+    small = proj(prompt=10, max_tokens=10)  # one block
+    assert ac.try_admit(Ask(small, streamed=True)) is None  # behind the queued one
+    # traffic beside the sidecar: vLLM holds blocks the ledger does not, the pool is not empty
+    ac2 = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.9)
+    ac2.on_snapshot(snapshot(clock, used=2))
+    assert ac2.try_admit(Ask(proj(), streamed=True)) is None
 
 
 async def test_queue_is_fifo_and_admits_on_release() -> None:

@@ -75,6 +75,18 @@ CASES = [
     ([], (64, 64), FRESH, 0.0, True, True, "an empty pool takes 8 blocks of 20"),
     ([], (64, 64), PoolState(None, None, 0, False), 0.0, True, True, "unknown capacity admits"),
     ([], (300, 100), FRESH, 0.0, True, False, "25 blocks never fit in 20"),
+    ([], (150, 100), FRESH, 0.5, True, True, "16 blocks over the budget of 10 run alone"),
+    ([], (150, 100), FRESH, 0.5, False, True, "and in the other modes"),
+    ([Running(16, 16)], (150, 100), FRESH, 0.5, True, False, "but not beside another"),
+    (
+        [],
+        (150, 100),
+        PoolState(capacity_blocks=20, used_blocks=2, external_blocks=2, stale=False),
+        0.5,
+        True,
+        False,
+        "nor beside traffic that bypasses the sidecar",
+    ),
     ([Running(64, 64)], (64, 64), FRESH, 0.0, True, True, "8 + 8 = 16 of 20"),
     ([Running(64, 64)] * 2, (64, 64), FRESH, 0.0, True, False, "3 x 8 = 24 > 20"),
     (

@@ -394,15 +394,18 @@ class AdmissionController:
                 )
             return Decision(Outcome.ADMIT, Reason.FITS, reservation=self._admit(ask, *placed))
         projection = ask.projection
-        budgets = [budget_blocks(p.view.capacity_blocks, self.headroom) for p in self._open(ask)]
-        budget = None if None in budgets else max(b for b in budgets if b is not None)
-        if budget is not None and projection.exact and projection.peak_blocks > budget:
+        # too large only where vLLM could not run it either: over the pool, not the budget (one
+        # between them runs alone, fit.fits)
+        capacities = [p.view.capacity_blocks for p in self._open(ask)]
+        capacity = None if None in capacities else max(c for c in capacities if c is not None)
+        if capacity is not None and projection.exact and projection.peak_blocks > capacity:
             return Decision(
                 Outcome.REJECT,
                 Reason.TOO_LARGE,
                 message=(
                     f"this request can reach {projection.peak_blocks} KV blocks "
-                    f"({projection.peak_tokens} tokens) but the KV budget is {budget} blocks"
+                    f"({projection.peak_tokens} tokens) but vLLM's KV cache holds {capacity} "
+                    "blocks"
                     + (" per engine" if len(self.pools) > 1 else "")
                     + "; it can never run: lower max_tokens, n or the prompt"
                 ),
