@@ -28,6 +28,10 @@ from tests.support.stack import Stack, run_sidecar
 from tests.support.wait import eventually
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
+#: the refusal's series as /metrics writes it (the fake serves "tiny")
+QUEUE_FULL_SERIES = (
+    'kv_sidecar_requests_total{decision="reject",model_name="tiny",reason="engine_queue_full"}'
+)
 
 
 def completion(**extra: Any) -> dict[str, Any]:
@@ -88,10 +92,9 @@ async def test_vllms_queue_cap_becomes_the_sidecars_429(upstream: FakeServer, st
             5,
         )
         text = (await stack.ops.get("/metrics")).text
-        assert 'kv_sidecar_requests_total{decision="reject",reason="engine_queue_full"} 1.0' in text
-        assert (
-            'kv_sidecar_vllm_admission_rejections_total{reason="max_num_queued_tokens"} 0.0' in text
-        )
+        assert f"{QUEUE_FULL_SERIES} 1.0" in text
+        rejections = 'kv_sidecar_vllm_admission_rejections_total{model_name="tiny",'
+        assert f'{rejections}reason="max_num_queued_tokens"}} 0.0' in text
 
 
 async def test_other_503s_are_relayed_as_vllm_sent_them(upstream: FakeServer) -> None:
@@ -118,7 +121,7 @@ async def test_other_503s_are_relayed_as_vllm_sent_them(upstream: FakeServer) ->
 async def test_an_engine_refusal_is_counted_once_at_zero_before(upstream: FakeServer) -> None:
     async with run_sidecar(upstream) as stack:
         text = (await stack.ops.get("/metrics")).text
-        assert 'kv_sidecar_requests_total{decision="reject",reason="engine_queue_full"} 0.0' in text
+        assert f"{QUEUE_FULL_SERIES} 0.0" in text
         resp = await stack.client.post("/v1/completions", json=completion())
         assert resp.status_code == 200 and queue_full(stack) == 0
 

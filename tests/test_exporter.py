@@ -69,8 +69,8 @@ def test_state_gauges_follow_the_ledger_and_the_engine() -> None:
     ac.on_snapshot(snapshot(clock, used=10, running=3))  # predicted 5 + 3 + 3 = 11
     metrics.on_snapshot()
 
-    def value(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(name, labels)
+    def value(name: str, **labels: str) -> float | None:  # every one a per-model series
+        return registry.get_sample_value(name, {**labels, "model_name": "tiny"})
 
     assert value("kv_sidecar_kv_capacity_blocks") == 63
     assert value("kv_sidecar_kv_capacity_bytes") == 63 * 131_072
@@ -166,7 +166,7 @@ def test_every_documented_metric_is_exported_and_nothing_else() -> None:
             name = re.sub(r"_(bucket|count|sum|created|total|info)$", "", sample.name)
             exported.add(name)
             # an info series is one per family: its labels describe, they do not multiply
-            assert len(sample.labels) <= (6 if sample.name.endswith("_info") else 5), sample
+            assert len(sample.labels) <= (7 if sample.name.endswith("_info") else 5), sample
     documented = {re.sub(r"_(total|info)$", "", n) for n in documented_names()}
     assert documented - exported == set(), "documented but not exported"
     # prometheus_client's `_created` series are off (sidecar.observability.exporter)
@@ -176,8 +176,9 @@ def test_every_documented_metric_is_exported_and_nothing_else() -> None:
 
 def test_age_is_infinite_before_the_first_scrape() -> None:
     registry, _, _, _ = build()
-    assert registry.get_sample_value("kv_sidecar_vllm_metrics_age_seconds") == math.inf
-    assert registry.get_sample_value("kv_sidecar_kv_capacity_blocks") is None  # nothing known
+    tiny = {"model_name": "tiny"}
+    assert registry.get_sample_value("kv_sidecar_vllm_metrics_age_seconds", tiny) == math.inf
+    assert registry.get_sample_value("kv_sidecar_kv_capacity_blocks", tiny) is None  # not known
 
 
 def test_demand_ratio_counts_what_runs_and_what_waits_over_the_budget() -> None:
@@ -197,7 +198,7 @@ def test_demand_ratio_counts_what_runs_and_what_waits_over_the_budget() -> None:
         assert len(admitted) == 7
 
         def value(name: str) -> float | None:
-            return registry.get_sample_value(name)
+            return registry.get_sample_value(name, {"model_name": "tiny"})
 
         assert value("kv_sidecar_kv_demand_ratio") == 56 / 59
         risk_before = value("kv_sidecar_oom_risk_ratio")
@@ -270,15 +271,17 @@ def test_no_cache_config_info_before_discovery() -> None:
 
 def test_request_duration_is_observed_per_answered_request() -> None:
     registry, metrics, _, _ = build()
-    assert registry.get_sample_value("kv_sidecar_request_duration_seconds_count") == 0
+    tiny = {"model_name": "tiny"}
+    assert registry.get_sample_value("kv_sidecar_request_duration_seconds_count", tiny) == 0
     for seconds in (0.2, 3.0, 45.0):
         metrics.answered(seconds)
 
     def bucket(le: str) -> float | None:
-        return registry.get_sample_value("kv_sidecar_request_duration_seconds_bucket", {"le": le})
+        name = "kv_sidecar_request_duration_seconds_bucket"
+        return registry.get_sample_value(name, {"le": le, **tiny})
 
-    assert registry.get_sample_value("kv_sidecar_request_duration_seconds_count") == 3
-    assert registry.get_sample_value("kv_sidecar_request_duration_seconds_sum") == 48.2
+    assert registry.get_sample_value("kv_sidecar_request_duration_seconds_count", tiny) == 3
+    assert registry.get_sample_value("kv_sidecar_request_duration_seconds_sum", tiny) == 48.2
     assert (bucket("0.25"), bucket("5.0"), bucket("30.0"), bucket("60.0")) == (1, 2, 2, 3)
 
 

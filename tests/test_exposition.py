@@ -137,7 +137,8 @@ def test_after_a_scrape_of_vllm_the_exporter_reads_that_scrape_not_the_whole_sta
 
     def bucket(le: str) -> float | None:
         name = "kv_sidecar_kv_prediction_relative_error_bucket"
-        return registry.get_sample_value(name, {"le": le})
+        return registry.get_sample_value(name, {"le": le, "model_name": "tiny"})
 
-    assert registry.get_sample_value("kv_sidecar_kv_prediction_relative_error_count") == 1
+    count = "kv_sidecar_kv_prediction_relative_error_count"
+    assert registry.get_sample_value(count, {"model_name": "tiny"}) == 1
     assert (bucket("-0.02"), bucket("-0.01")) == (0, 1)

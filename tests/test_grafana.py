@@ -150,7 +150,7 @@ def _exposition_series(text: str) -> dict[str, Series]:
 def known_series() -> dict[str, Series]:
     sidecar = _doc_series(METRICS_DOC.read_text(encoding="utf-8"))
     assert "kv_sidecar_requests_total" in sidecar and "kv_sidecar_kv_capacity_blocks" in sidecar
-    assert sidecar["kv_sidecar_requests_total"].labels == {"decision", "reason"}
+    assert sidecar["kv_sidecar_requests_total"].labels == {"model_name", "decision", "reason"}
     vllm = _exposition_series(VLLM_METRICS.read_text(encoding="utf-8"))
     return {**vllm, **sidecar, "up": Series(frozenset(), False)}
 

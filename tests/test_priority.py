@@ -470,7 +470,9 @@ async def test_without_forward_priority_the_body_reaches_vllm_as_sent(
         metrics = (await stack.ops.get("/metrics")).text
     sent = [r.body for r in stack.fake.requests if r.path == "/v1/completions"]
     assert sent == [raw]
-    assert 'kv_sidecar_class_queue_depth{priority="0",tenant="none"} 0.0' in metrics
+    assert 'kv_sidecar_class_queue_depth{model_name="tiny",priority="0",tenant="none"} 0.0' in (
+        metrics
+    )
 
 
 @pytest.mark.parametrize(

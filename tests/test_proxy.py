@@ -186,8 +186,8 @@ async def test_metrics_on_the_proxy_port_are_vllms(stack: Stack) -> None:
     assert 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.125' in proxied.text
     assert "kv_sidecar_" not in proxied.text
     own = await stack.ops.get("/metrics")
-    assert "kv_sidecar_queue_depth 0.0" in own.text
-    assert "kv_sidecar_vllm_up 1.0" in own.text
+    assert 'kv_sidecar_queue_depth{model_name="tiny"} 0.0' in own.text
+    assert 'kv_sidecar_vllm_up{model_name="tiny"} 1.0' in own.text
     # of vLLM's names, only the cache config the endpoint picker reads is served there
     served = {line.split("{")[0] for line in own.text.splitlines() if line.startswith("vllm:")}
     assert served == {"vllm:cache_config_info"}
@@ -784,7 +784,7 @@ def test_process_serves_vllms_metrics_and_its_own(
     ):
         assert name in own, name
     # 63 usable blocks of 128 tokens x 1 KiB (2 layers x 2 KV heads x 64 x bf16 x K and V)
-    assert "kv_sidecar_kv_capacity_bytes 8.257536e+06" in own
+    assert 'kv_sidecar_kv_capacity_bytes{model_name="tiny"} 8.257536e+06' in own
 
 
 def test_process_streams_a_chat_byte_for_byte(

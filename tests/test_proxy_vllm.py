@@ -237,12 +237,11 @@ def test_openai_client_retries_to_completion(
 
     with SidecarProcess(vllm.url, "--policy", "reject") as sc:
         tokens = asyncio.run(run(sc.url))
-        refused = sum(
-            float(line.split()[-1])
-            for line in sc.metrics().splitlines()
-            if line.startswith(
-                'kv_sidecar_requests_total{decision="reject",reason="kv_cache_full"}'
+        refused = (
+            metric_value(
+                sc.metrics(), "kv_sidecar_requests_total", decision="reject", reason="kv_cache_full"
             )
+            or 0.0
         )
         assert_ledger_empty(sc)
     assert tokens == [shape.retry_max_tokens] * shape.requests

@@ -4,6 +4,14 @@ Figures that come from state (KV blocks, queue depth, snapshot age) are computed
 by :class:`StateCollector`, never set-and-reset; events (decisions, waits, counts) are counters and
 histograms. Everything registers on the registry passed in, so tests use a fresh one.
 
+The series about the model vLLM serves (its KV pool, its requests and the gate's decisions on them,
+predictions, learned lengths and costs, the sidecar's view of the engine) carry ``model_name``, the
+served model name discovery found, as vLLM's own series do; those of the sidecar process (its CPU,
+event loop, the cost of its own counting and deciding, build, settings, readiness) do not
+(docs/metrics.md, The model_name label). The label is added at scrape time (:class:`ModelName`,
+:func:`with_model_name`), so a series is never exported twice: before the first discovery the
+per-model series have no ``model_name``, from then on every one has the name found.
+
 Importing this module turns off prometheus_client's ``_created`` series (one per counter and
 histogram child: a quarter of the samples, which no dashboard, alert or query of the sidecar
 reads) for the whole process; the relay workers start with ``PROMETHEUS_DISABLE_CREATED_SERIES``
@@ -61,6 +69,70 @@ TOKENS_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 6
 #: from a short answer to the longest generation that stays under --upstream-read-timeout's pace
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 RELATIVE_ERROR_BUCKETS = (-0.5, -0.2, -0.1, -0.05, -0.02, -0.01, 0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+#: The label of every per-model series: the served model name, as vLLM labels its own series.
+MODEL_NAME = "model_name"
+
+
+class ModelName:
+    """The value of ``model_name``: the served model name of the last discovery (what vLLM's
+    ``/v1/models`` lists, ``--served-model-name`` choosing among several), None before the first.
+    The name found is kept while vLLM is rediscovered (its block size changed), so the series do
+    not lose the label and find it again; a rediscovery that finds another name relabels them.
+
+    >>> from types import SimpleNamespace
+    >>> engine = [None]
+    >>> name = ModelName(lambda: engine[0])
+    >>> name() is None
+    True
+    >>> engine[0] = SimpleNamespace(model="m")
+    >>> name()
+    'm'
+    >>> engine[0] = None  # rediscovering
+    >>> name()
+    'm'
+    """
+
+    def __init__(self, engine: Callable[[], EngineConfig | None]) -> None:
+        self._engine = engine
+        self._name: str | None = None
+
+    def __call__(self) -> str | None:
+        info = self._engine()
+        if info is not None:
+            self._name = info.model
+        return self._name
+
+
+def with_model_name(family: Metric, model: str | None) -> Metric:
+    """``family`` with ``model_name="<model>"`` on every sample (None: as it is). The family is
+    edited in place: collectors build a new one at every collect (prometheus_client's own
+    metrics too).
+
+    >>> family = GaugeMetricFamily("g", "G.", labels=["le"])
+    >>> family.add_metric(["1"], 2.0)
+    >>> [s.labels for s in with_model_name(family, "m").samples]
+    [{'le': '1', 'model_name': 'm'}]
+    """
+    if model is not None:
+        family.samples = [
+            s._replace(labels={**s.labels, MODEL_NAME: model}) for s in family.samples
+        ]
+    return family
+
+
+class ModelLabelled(Collector):
+    """The families of ``inner`` (the per-model counters and histograms), with ``model_name``."""
+
+    def __init__(self, inner: CollectorRegistry, model: Callable[[], str | None]) -> None:
+        self.inner = inner
+        self.model = model
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # the inner registry checks its own names
+
+    def collect(self) -> Iterable[Metric]:
+        model = self.model()
+        return [with_model_name(family, model) for family in self.inner.collect()]
 
 
 @dataclass(frozen=True)
@@ -92,6 +164,10 @@ class Metrics:
         process_children: Callable[[], Iterable[int]] | None = None,
     ) -> None:
         self.registry = registry
+        #: the per-model counters and histograms, exported with ``model_name`` by
+        #: :class:`ModelLabelled`; the sidecar process's own register on ``registry``
+        per_model = CollectorRegistry()
+        self.model_name = ModelName(engine)
         self.event_loop_tasks = Gauge(
             f"{PREFIX}_event_loop_tasks",
             "asyncio tasks alive on the sidecar's event loop (steady at rest; a leak grows it).",
@@ -108,43 +184,43 @@ class Metrics:
             f"{PREFIX}_requests",
             "Generation requests by gate decision and reason.",
             ["decision", "reason"],
-            registry=registry,
+            registry=per_model,
         )
         self.queue_wait = Histogram(
             f"{PREFIX}_queue_wait_seconds",
             "Time queued requests waited for admission or refusal.",
             buckets=SECONDS_BUCKETS,
-            registry=registry,
+            registry=per_model,
         )
         self.retry_after = Histogram(
             f"{PREFIX}_retry_after_seconds",
             "Retry-After given with 429 and 503 refusals.",
             buckets=(1, 2, 3, 5, 10, 15, 20, 30, 45, 60),
-            registry=registry,
+            registry=per_model,
         )
         self.projected_bytes = Histogram(
             f"{PREFIX}_request_kv_projected_bytes",
             "Projected peak KV bytes per request.",
             buckets=BYTES_BUCKETS,
-            registry=registry,
+            registry=per_model,
         )
         self.max_tokens = Histogram(
             f"{PREFIX}_request_max_tokens",
             "Effective max_tokens per request (after clamping).",
             buckets=TOKENS_BUCKETS,
-            registry=registry,
+            registry=per_model,
         )
         self.prompt_tokens = Counter(
             f"{PREFIX}_prompt_tokens",
             "Prompt tokens counted, by counting method.",
             ["method"],
-            registry=registry,
+            registry=per_model,
         )
         self.prompt_counts = Counter(
             f"{PREFIX}_prompt_counts",
             "Requests whose prompt was counted, by method.",
             ["method"],
-            registry=registry,
+            registry=per_model,
         )
         self.tokenize_seconds = Histogram(
             f"{PREFIX}_tokenize_seconds",
@@ -158,7 +234,7 @@ class Metrics:
             "Local prompt counts checked against vLLM's /tokenize, by request shape and result "
             "(match or mismatch); a shape that mismatched is counted by /tokenize from then on.",
             ["shape", "result"],
-            registry=registry,
+            registry=per_model,
         )
         self.decision_seconds = Histogram(
             f"{PREFIX}_decision_seconds",
@@ -171,24 +247,24 @@ class Metrics:
             "Admitted generation requests, end to end through the sidecar: from counting the "
             "prompt to the end of the relayed answer (queue wait and vLLM's work included).",
             buckets=DURATION_BUCKETS,
-            registry=registry,
+            registry=per_model,
         )
         self.completion_tokens = Counter(
             f"{PREFIX}_completion_tokens",
             "Completion tokens seen in answers.",
-            registry=registry,
+            registry=per_model,
         )
         self.upstream_errors = Counter(
             f"{PREFIX}_upstream_errors",
             "Failures talking to vLLM.",
             ["kind"],
-            registry=registry,
+            registry=per_model,
         )
         self.relative_error = Histogram(
             f"{PREFIX}_kv_prediction_relative_error",
             "Per scrape of vLLM: (predicted - actual) KV blocks over capacity.",
             buckets=RELATIVE_ERROR_BUCKETS,
-            registry=registry,
+            registry=per_model,
         )
         # export zeros so that rate() and the dashboard work from the start; the children are
         # bound once here (``labels()`` takes a lock and checks its values on every call)
@@ -213,8 +289,10 @@ class Metrics:
         self.collector = StateCollector(
             admission,
             Sources(engine, vllm_up, ready, scrape_errors, config_labels, clock),
+            self.model_name,
         )
         registry.register(self.collector)
+        registry.register(ModelLabelled(per_model, self.model_name))
         # the sidecar's own CPU (process_cpu_seconds_total, ...) and the CPU it may use; with
         # relay workers (``process_children``), summed over the owner and the workers
         registry.register(ProcessTreeCollector(process_children))
@@ -508,11 +586,18 @@ def vllm_admission_rejections(snap: EngineSnapshot) -> CounterMetricFamily:
 
 
 class StateCollector(Collector):
-    """Yields the state gauges at scrape time from admission's :class:`KVState`."""
+    """Yields the state gauges at scrape time from admission's :class:`KVState`, the per-model
+    ones with ``model_name`` (``model``; none: without)."""
 
-    def __init__(self, admission: AdmissionState, sources: Sources) -> None:
+    def __init__(
+        self,
+        admission: AdmissionState,
+        sources: Sources,
+        model: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.admission = admission
         self.sources = sources
+        self.model = model
         # (time, vLLM used blocks) per scrape, for the growth rate behind the exhaustion forecast
         self._usage: deque[tuple[float, int]] = deque(maxlen=20)
 
@@ -543,7 +628,11 @@ class StateCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         # every family at once: they are one moment's, even when the render gives the loop back
         # between families (sidecar.observability.exposition)
-        return list(self._families())
+        model = self.model()
+        return [
+            family if family.name in UNLABELLED_STATE_FAMILIES else with_model_name(family, model)
+            for family in self._families()
+        ]
 
     def _families(self) -> Iterator[Metric]:
         state = self.admission.state()
@@ -600,6 +689,18 @@ VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
 
 
 VLLM_LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+
+#: The state collector's families that are the sidecar process's, or vLLM's own names relayed with
+#: vLLM's labels: exported without ``model_name``.
+UNLABELLED_STATE_FAMILIES = frozenset(
+    {
+        f"{PREFIX}_ready",
+        f"{PREFIX}_build",
+        f"{PREFIX}_config",
+        VLLM_CACHE_CONFIG_INFO,
+        VLLM_LORA_REQUESTS_INFO,
+    }
+)
 
 
 def vllm_lora_requests_info(labels: tuple[tuple[str, str], ...], value: float) -> GaugeMetricFamily:

@@ -3,16 +3,17 @@ geometry (64 blocks of 128 tokens, a 1,024-token context)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
 
 from sidecar.admission.controller import AdmissionController
 from sidecar.config import Policy
 from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
-from sidecar.observability.exporter import Metrics
+from sidecar.observability.exporter import MODEL_NAME, Metrics
 from tests.support.snapshots import Clock
 
 BLOCKS = UniformBlocks(128, 131_072)
@@ -50,3 +51,24 @@ def build_metrics(
         clock=clock,
     )
     return registry, metrics, ac, clock
+
+
+def sample_value(registry: Collector, name: str, labels: Mapping[str, str]) -> float | None:
+    """The value of the sample ``name`` whose labels are ``labels``, the ``model_name`` of the
+    per-model series aside (``registry.get_sample_value`` wants every label; these tests ask by
+    the labels that tell series apart, and tests/test_model_name.py checks ``model_name``).
+
+    >>> from prometheus_client import Counter
+    >>> registry = CollectorRegistry()
+    >>> Counter("c", "", ["model_name", "k"], registry=registry).labels("m", "v").inc()
+    >>> sample_value(registry, "c_total", {"k": "v"}), sample_value(registry, "c_total", {})
+    (1.0, None)
+    """
+    wanted = dict(labels)
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name != name:
+                continue
+            if {k: v for k, v in sample.labels.items() if k != MODEL_NAME} == wanted:
+                return float(sample.value)
+    return None

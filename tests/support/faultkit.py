@@ -37,6 +37,7 @@ import httpx
 from harness.fake_vllm import FakeVllm, Message, Receive, Scope, Send, bound_socket, respond
 from sidecar.app import Sidecar, _Server, _uvicorn_config
 from sidecar.config import Settings
+from tests.support.exporter import sample_value
 
 T = TypeVar("T")
 
@@ -156,7 +157,7 @@ class ThreadedSidecar:
         return f["in_flight"] == 0 and f["reserved_blocks"] == 0 and f["queue_depth"] == 0
 
     def sample(self, name: str, **labels: str) -> float:
-        value = self.call(lambda: self.sc.registry.get_sample_value(name, labels))
+        value = self.call(lambda: sample_value(self.sc.registry, name, labels))
         return 0.0 if value is None else float(value)
 
     async def _start(self) -> None:

@@ -23,6 +23,7 @@ import httpx
 from harness.fake_vllm import FakeServer, FakeVllm, bound_socket
 from sidecar.app import Sidecar, _Server, _uvicorn_config
 from sidecar.config import Settings
+from tests.support.exporter import sample_value
 from tests.support.wait import eventually
 
 # Plain HTTP only: an empty TLS context spares each client loading the CA store (~50 ms).
@@ -50,7 +51,7 @@ class Stack:
         return (await self.ops.get("/readyz")).status_code
 
     def sample(self, name: str, **labels: str) -> float:
-        value = self.sidecar.registry.get_sample_value(name, labels)
+        value = sample_value(self.sidecar.registry, name, labels)
         return 0.0 if value is None else value
 
     def decisions(self, decision: str, reason: str) -> float:
