@@ -2,7 +2,10 @@
 
 Each alert names its runbook in ``docs/alerts.md`` (the anchor is the alert's name in lower
 case). Sidecar alerts aggregate ``by (namespace, pod)``: one sidecar per vLLM pod, so each alert
-names one pod, and a pod scraped twice does not alert twice.
+names one pod, and a pod scraped twice does not alert twice. Those over the model's series
+(docs/metrics.md, The model_name label) aggregate by ``model_name`` too, as VLLMPreempting does
+over vLLM's: one sidecar fronts one model, so they still alert once per pod, and name the model
+(no ``model_name`` before the sidecar has discovered vLLM).
 
 Two things differ from one installation to the next and are parameters of :func:`rule_groups`
 (``python -m grafana.build --runbook-base URL --sidecar-matcher MATCHER``), with the defaults
@@ -101,19 +104,23 @@ class Alert:
 
 
 _WHERE = "{{ $labels.namespace }}/{{ $labels.pod }}"
+#: Where, and the model where the alert has one (the per-model alerts').
+_WHERE_MODEL = _WHERE + "{{ with $labels.model_name }} (model {{ . }}){{ end }}"
+#: The grouping of the alerts over the sidecar's per-model series.
+_PER_MODEL = "namespace, pod, model_name"
 _ESTIMATED = selector("kv_sidecar_prompt_counts_total", 'method="estimate"')
 
 #: Every alert but KVSidecarDown (:func:`sidecar_down`) and KVSidecarVLLMDown, in order.
 _PER_POD_ALERTS: tuple[Alert, ...] = (
     Alert(
         name="KVSidecarOOMRiskHigh",
-        expr="max by (namespace, pod) (kv_sidecar_oom_risk_ratio) > 1",
+        expr=f"max by ({_PER_MODEL}) (kv_sidecar_oom_risk_ratio) > 1",
         for_="5m",
         severity="warning",
         summary="KV demand of what vLLM runs exceeds its KV pool.",
         description=(
-            f"{_WHERE}: requests in flight (and traffic that bypasses the sidecar) would need "
-            "{{ $value | humanizePercentage }} of the KV pool if they all ran to max_tokens, "
+            f"{_WHERE_MODEL}: requests in flight (and traffic that bypasses the sidecar) would "
+            "need {{ $value | humanizePercentage }} of the KV pool if they all ran to max_tokens, "
             "for 5 minutes. vLLM preempts if they do."
         ),
     ),
@@ -134,17 +141,17 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
     Alert(
         name="KVSidecarPredictionErrorHigh",
         expr=(
-            "max by (namespace, pod) "
+            f"max by ({_PER_MODEL}) "
             "(abs(avg_over_time(kv_sidecar_kv_prediction_error_bytes[10m])))\n"
             "/\n"
-            "max by (namespace, pod) (kv_sidecar_kv_capacity_bytes > 0)\n"
+            f"max by ({_PER_MODEL}) (kv_sidecar_kv_capacity_bytes > 0)\n"
             f"> {PREDICTION_ERROR_SHARE}"
         ),
         for_="10m",
         severity="warning",
         summary="The sidecar's predicted KV use is far from what vLLM reports.",
         description=(
-            f"{_WHERE}: predicted minus actual KV averaged "
+            f"{_WHERE_MODEL}: predicted minus actual KV averaged "
             "{{ $value | humanizePercentage }} of capacity over 10 minutes, for 10 minutes. "
             "The model config or KV geometry the sidecar uses is probably wrong, so its "
             "admission decisions are too."
@@ -153,14 +160,14 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
     Alert(
         name="KVSidecarVLLMMetricsStale",
         expr=(
-            "max by (namespace, pod) (kv_sidecar_vllm_metrics_age_seconds) "
+            f"max by ({_PER_MODEL}) (kv_sidecar_vllm_metrics_age_seconds) "
             f"> {VLLM_METRICS_STALE_SECONDS}"
         ),
         for_="2m",
         severity="warning",
         summary="The sidecar's view of vLLM's KV cache is stale.",
         description=(
-            f"{_WHERE}: the last good scrape of vLLM's /metrics is "
+            f"{_WHERE_MODEL}: the last good scrape of vLLM's /metrics is "
             "{{ $value | humanizeDuration }} old. The sidecar decides on its ledger alone "
             "(--stale-policy open) or refuses with 503 (closed)."
         ),
@@ -168,17 +175,17 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
     Alert(
         name="KVSidecarHighRejectRate",
         expr=(
-            "sum by (namespace, pod) "
+            f"sum by ({_PER_MODEL}) "
             f"({rate(selector('kv_sidecar_requests_total', *REFUSED_429_MATCHERS), '5m')})\n"
             "/\n"
-            f"sum by (namespace, pod) ({rate('kv_sidecar_requests_total', '5m')})\n"
+            f"sum by ({_PER_MODEL}) ({rate('kv_sidecar_requests_total', '5m')})\n"
             f"> {REJECT_SHARE}"
         ),
         for_="10m",
         severity="warning",
         summary="The sidecar refuses many requests with 429: KV capacity is short of demand.",
         description=(
-            f"{_WHERE}: {{{{ $value | humanizePercentage }}}} of generation requests were "
+            f"{_WHERE_MODEL}: {{{{ $value | humanizePercentage }}}} of generation requests were "
             "refused with 429 (kv_cache_full, queue_full, queue_timeout, counting_busy) for 10 "
             "minutes."
         ),
@@ -186,17 +193,17 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
     Alert(
         name="KVSidecarPromptCountsEstimated",
         expr=(
-            "sum by (namespace, pod) "
+            f"sum by ({_PER_MODEL}) "
             f"({rate(_ESTIMATED, '10m')})\n"
             "/\n"
-            f"sum by (namespace, pod) ({rate('kv_sidecar_prompt_counts_total', '10m')})\n"
+            f"sum by ({_PER_MODEL}) ({rate('kv_sidecar_prompt_counts_total', '10m')})\n"
             f"> {ESTIMATE_SHARE}"
         ),
         for_="10m",
         severity="warning",
         summary="The sidecar estimates many prompt lengths instead of counting them.",
         description=(
-            f"{_WHERE}: {{{{ $value | humanizePercentage }}}} of prompts were counted by an "
+            f"{_WHERE_MODEL}: {{{{ $value | humanizePercentage }}}} of prompts were counted by an "
             "upper-bound estimate over 10 minutes, for 10 minutes. Admission over-reserves KV "
             "for those requests, so it queues and refuses more than it needs to. Usually vLLM's "
             "/tokenize is unreachable or the sidecar cannot read the model's tokenizer."
@@ -205,7 +212,7 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
     Alert(
         name="KVSidecarPromptCountMismatch",
         expr=(
-            "sum by (namespace, pod, shape) (increase("
+            f"sum by ({_PER_MODEL}, shape) (increase("
             + selector("kv_sidecar_prompt_count_checks_total", 'result="mismatch"')
             + f"[{PROMPT_COUNT_MISMATCH_MINUTES}m])) > 0"
         ),
@@ -214,19 +221,19 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
         severity="warning",
         summary="The sidecar's local prompt count disagrees with vLLM's.",
         description=(
-            f"{_WHERE}: a local count of a {{{{ $labels.shape }}}} prompt differed from vLLM's "
-            f"(render or /tokenize) in the last {PROMPT_COUNT_MISMATCH_MINUTES} minutes. The "
-            "sidecar counts {{ $labels.shape }} prompts with vLLM until it restarts (exact, but "
-            "a round trip per request): its tokenizer or chat template does not render that "
+            f"{_WHERE_MODEL}: a local count of a {{{{ $labels.shape }}}} prompt differed from "
+            f"vLLM's (render or /tokenize) in the last {PROMPT_COUNT_MISMATCH_MINUTES} minutes. "
+            "The sidecar counts {{ $labels.shape }} prompts with vLLM until it restarts (exact, "
+            "but a round trip per request): its tokenizer or chat template does not render that "
             "shape as vLLM does."
         ),
     ),
     Alert(
         name="KVSidecarPriorityStarved",
         expr=(
-            "max by (namespace, pod, priority) (kv_sidecar_class_oldest_wait_seconds) > "
-            f"{STARVED_WAIT_SECONDS}\nand on (namespace, pod)\n"
-            "sum by (namespace, pod) ("
+            f"max by ({_PER_MODEL}, priority) (kv_sidecar_class_oldest_wait_seconds) > "
+            f"{STARVED_WAIT_SECONDS}\nand on ({_PER_MODEL})\n"
+            f"sum by ({_PER_MODEL}) ("
             + rate(selector("kv_sidecar_class_requests_total", 'decision="admit"'), "5m")
             + ") > 0"
         ),
@@ -234,7 +241,7 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
         severity="warning",
         summary="Requests of one priority wait in the queue while others are admitted.",
         description=(
-            f"{_WHERE}: the oldest queued request of priority {{{{ $labels.priority }}}} has "
+            f"{_WHERE_MODEL}: the oldest queued request of priority {{{{ $labels.priority }}}} has "
             f"waited over {STARVED_WAIT_SECONDS} s for 5 minutes while the sidecar admitted "
             "other requests: better priorities (or other tenants' shares) take all the KV "
             "that frees. Its requests time out with 429 queue_timeout at --max-queue-wait."
@@ -262,12 +269,12 @@ _PER_POD_ALERTS: tuple[Alert, ...] = (
 
 _VLLM_DOWN = Alert(
     name="KVSidecarVLLMDown",
-    expr="max by (namespace, pod) (kv_sidecar_vllm_up) == 0",
+    expr=f"max by ({_PER_MODEL}) (kv_sidecar_vllm_up) == 0",
     for_="2m",
     severity="critical",
     summary="The sidecar cannot reach vLLM.",
     description=(
-        f"{_WHERE}: the sidecar's scrapes of vLLM's /metrics have failed for 2 minutes. "
+        f"{_WHERE_MODEL}: the sidecar's scrapes of vLLM's /metrics have failed for 2 minutes. "
         "Generation requests get 503 with Retry-After."
     ),
 )

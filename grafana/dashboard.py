@@ -13,9 +13,10 @@ Variables carry across dashboards: ``job``, ``instance``, ``model_name`` and ``e
 vLLM's own label values under the names vLLM's example dashboards use, so the "vLLM dashboards"
 link (every dashboard tagged ``vllm``, variables and time range kept) opens them on the same
 engines. Sidecar series carry the ``namespace`` and ``pod`` labels the Prometheus scrape adds and
-are filtered by ``$namespace`` and ``$pod``; vLLM's series, scraped from the same pods, are
-filtered by those and by ``$job``, ``$instance``, ``$model_name`` and ``$engine`` too (the
-sidecar's own job and instance are other targets than vLLM's).
+are filtered by ``$namespace`` and ``$pod``, and those about the model (all but the sidecar
+process's own: docs/metrics.md, The model_name label) by ``$model_name`` too; vLLM's series,
+scraped from the same pods, are filtered by those and by ``$job``, ``$instance`` and ``$engine``
+too (the sidecar's own job and instance are other targets than vLLM's).
 
 >>> build_dashboard()["uid"]
 'kv-sidecar'
@@ -60,12 +61,14 @@ VLLM_DASHBOARD_TAG = "vllm"
 
 #: Matchers every sidecar query carries.
 SIDECAR_MATCHERS: tuple[str, ...] = ('namespace=~"$namespace"', 'pod=~"$pod"')
+#: The model, as vLLM's series and the sidecar's per-model series label it.
+MODEL_MATCHER = 'model_name=~"$model_name"'
 #: Matchers every vLLM query carries: the pods, then vLLM's own labels.
 VLLM_MATCHERS: tuple[str, ...] = (
     *SIDECAR_MATCHERS,
     'job=~"$job"',
     'instance=~"$instance"',
-    'model_name=~"$model_name"',
+    MODEL_MATCHER,
     'engine=~"$engine"',
 )
 #: What a panel over vLLM's series alone shows when none is scraped.
@@ -84,7 +87,12 @@ METRICS_AGE_CAP_SECONDS = 300
 
 
 def sidecar(metric: str, *matchers: str) -> str:
-    """A sidecar series filtered by the dashboard's variables."""
+    """A per-model sidecar series (``model_name``) filtered by the dashboard's variables."""
+    return selector(metric, *SIDECAR_MATCHERS, MODEL_MATCHER, *matchers)
+
+
+def sidecar_process(metric: str, *matchers: str) -> str:
+    """A series of the sidecar process's own (no ``model_name``), filtered by the pods."""
     return selector(metric, *SIDECAR_MATCHERS, *matchers)
 
 
@@ -441,11 +449,19 @@ def _latency_row() -> list[PanelBuilder]:
             "s",
             [
                 Query(
-                    duration(0.99, sidecar("kv_sidecar_tokenize_seconds_bucket"), ("method",)),
+                    duration(
+                        0.99, sidecar_process("kv_sidecar_tokenize_seconds_bucket"), ("method",)
+                    ),
                     "count p99 {{method}}",
                 ),
-                Query(duration(0.5, sidecar("kv_sidecar_decision_seconds_bucket")), "decide p50"),
-                Query(duration(0.99, sidecar("kv_sidecar_decision_seconds_bucket")), "decide p99"),
+                Query(
+                    duration(0.5, sidecar_process("kv_sidecar_decision_seconds_bucket")),
+                    "decide p50",
+                ),
+                Query(
+                    duration(0.99, sidecar_process("kv_sidecar_decision_seconds_bucket")),
+                    "decide p99",
+                ),
             ],
             width=12,
             min_value=0,
@@ -822,10 +838,10 @@ def _health_row() -> list[PanelBuilder]:
                     _per_pod(
                         "max",
                         cpu_share(
-                            sidecar("process_cpu_seconds_total"),
-                            sidecar("kv_sidecar_cpu_limit_cores"),
+                            sidecar_process("process_cpu_seconds_total"),
+                            sidecar_process("kv_sidecar_cpu_limit_cores"),
                             RATE_WINDOW,
-                            relay_workers=sidecar(RELAY_WORKERS),
+                            relay_workers=sidecar_process(RELAY_WORKERS),
                         ),
                     ),
                     "{{pod}}",
@@ -844,7 +860,9 @@ def _health_row() -> list[PanelBuilder]:
             "s",
             [
                 Query(
-                    duration(0.99, sidecar("kv_sidecar_event_loop_lag_seconds_bucket"), ("pod",)),
+                    duration(
+                        0.99, sidecar_process("kv_sidecar_event_loop_lag_seconds_bucket"), ("pod",)
+                    ),
                     "{{pod}}",
                 )
             ],

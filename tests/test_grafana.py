@@ -327,7 +327,9 @@ def test_no_variable_is_left_unsubstituted() -> None:
         assert "$" not in expr, f"{title}: unknown variable in {expr}"
 
 
-def test_every_query_filters_by_the_dashboard_variables() -> None:
+def test_every_query_filters_by_the_dashboard_variables(
+    known_series: dict[str, Series],
+) -> None:
     expected = {label: SAMPLE_SUBSTITUTIONS[f"${label}"] for label in VLLM_FILTERS}
     for title, expr in dashboard_queries(SAMPLE_SUBSTITUTIONS):
         for vector in selectors(promql_parser.parse(expr)):
@@ -336,7 +338,11 @@ def test_every_query_filters_by_the_dashboard_variables() -> None:
                 for m in vector.matchers.matchers
                 if m.op == promql_parser.MatchOp.Re
             }
-            wanted = VLLM_FILTERS if vector.name.startswith("vllm:") else ("namespace", "pod")
+            wanted: tuple[str, ...] = ("namespace", "pod")
+            if vector.name.startswith("vllm:"):
+                wanted = VLLM_FILTERS
+            elif "model_name" in known_series[vector.name].labels:  # a per-model sidecar series
+                wanted = (*wanted, "model_name")
             for label in wanted:
                 assert matchers.get(label) == expected[label], (
                     f"{title}: {vector.name} is not filtered by {label}=~ the variable"
