@@ -517,6 +517,41 @@ def test_self_check_panel_counts_the_checks_of_the_load(outcomes: list[Outcome])
     assert total >= 1, _table(checks)
 
 
+def test_the_sidecars_series_match_vllms_by_model_name(loaded: Loaded) -> None:
+    """The sidecar labels its per-model series with the model_name vLLM labels its own with (the
+    served name discovery read): matched on (namespace, pod, model_name), the sidecar's and vLLM's
+    pair up; the sidecar process's own series have no model_name."""
+    prometheus = loaded.prometheus
+    pod = f'namespace="{NAMESPACE}", pod="{POD}"'
+    by = "namespace, pod, model_name"
+    at = loaded.load.end
+    sidecar = prometheus.query(f"count by ({by}) (kv_sidecar_kv_capacity_blocks{{{pod}}})", at=at)
+    vllm = prometheus.query(f"count by ({by}) (vllm:num_requests_running{{{pod}}})", at=at)
+    expected = {"namespace": NAMESPACE, "pod": POD, "model_name": loaded.vllm.served_name}
+    assert [s.labels for s in sidecar] == [s.labels for s in vllm] == [expected]
+    [joined] = prometheus.query(
+        f"sum by ({by}) (rate(kv_sidecar_requests_total{{{pod}}}[{RATE_INTERVAL}]))\n"
+        f"and on ({by})\n"
+        f"sum by ({by}) (vllm:num_requests_running{{{pod}}})",
+        at=at,
+    )
+    assert joined.labels == expected and joined.value > 0
+    unlabelled = prometheus.query(
+        f'{{{pod}, container="{SIDECAR_CONTAINER}", model_name=""}}', at=at
+    )
+    assert {s.labels["__name__"] for s in unlabelled} >= {
+        "process_cpu_seconds_total",
+        "kv_sidecar_cpu_limit_cores",
+        "kv_sidecar_build_info",
+        "kv_sidecar_event_loop_lag_seconds_count",
+    }
+    assert not {s.labels["__name__"] for s in unlabelled} & {
+        "kv_sidecar_requests_total",
+        "kv_sidecar_kv_capacity_blocks",
+        "kv_sidecar_vllm_up",
+    }
+
+
 def test_cpu_share_is_the_sidecars_own_process(loaded: Loaded) -> None:
     """The dashboard's and the alert's CPU share divide the sidecar's process CPU by its own
     limit gauge: vLLM's process series, scraped from the same pod, find no partner and drop out."""
