@@ -23,8 +23,10 @@ Six workloads, each sent unchanged to every configuration in the same run:
 Configurations: vLLM direct; vLLM with its own limits tuned (``--max-num-seqs``,
 ``--max-num-queued-reqs``: a second server); vLLM with its own ``--watermark 0.05`` (a third
 server); a utilization-threshold shedder like the inference gateway's default
-(``bench.proxies shedder``); the sidecar with ``--reservation worst-case`` and ``expected``, each
-with ``--policy queue`` and ``reject``; and ``oracle``: the sidecar in worst-case mode (queue)
+(``bench.proxies shedder``); the sidecar with ``--reservation worst-case``, ``expected``
+and ``adaptive``, each with ``--policy queue`` and ``reject``; the sidecar with
+``--policy observe`` (it relays and accounts but gates nothing: what the relay alone costs);
+and ``oracle``: the sidecar in worst-case mode (queue)
 whose clients name every request's real answer length as its ``max_tokens``, so that worst case
 is exact: the best any reservation can do. Clients retry 429 and 503 the way the official openai
 client does: after ``retry-after-ms`` / ``Retry-After`` when given, else with exponential backoff

@@ -297,7 +297,7 @@ def context_table(figs: dict[str, dict[str, Any]]) -> str:
 
 def best_sidecar(figs: dict[str, dict[str, Any]]) -> str | None:
     """The sidecar configuration (oracle aside) with the highest median goodput."""
-    names = [n for n in SIDECAR_CONFIGS if n in figs]
+    names = [n for n in SIDECAR_CONFIGS if n in figs and not n.endswith("-observe")]
     return max(names, key=lambda n: figs[n]["goodput_tps"]) if names else None
 
 

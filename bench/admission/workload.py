@@ -44,6 +44,9 @@ CONFIGS = [
     "sidecar-expected-optimistic-queue",
     "sidecar-adaptive-queue",
     "sidecar-adaptive-reject",
+    #: the sidecar relaying and accounting, gating nothing (``--policy observe``): against direct,
+    #: what the relay alone costs; against adaptive, what admission costs
+    "sidecar-adaptive-observe",
     "oracle",
 ]
 #: expected mode's cold starts besides the default (prior 1: worst case until a class has enough
