@@ -278,6 +278,65 @@ def run_case(shard: Shard, case: dict[str, Any], iters: int, repeats: int, cuda:
     return case["seconds"]
 
 
+#: substrings of a CUDA kernel's name, lowercased, by the class of work it does
+KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90", "cublas", "splitk")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """``attention``, ``gemm`` or ``other`` (norms, activations, copies, the KV write).
+
+    >>> kernel_class("nvjet_sm90_tst_128x64_64x8_2x4_h_bz_splitK_NNT")
+    'gemm'
+    >>> kernel_class("void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>")
+    'attention'
+    >>> kernel_class("void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float, true>")
+    'other'
+    """
+    low = name.lower()
+    for label, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return label
+    return "other"
+
+
+def profile_case(shard: Shard, case: dict[str, Any], steps: int = 5) -> dict[str, Any]:
+    """Where one eager decode step's GPU time goes, by kernel class (PyTorch's profiler; eager,
+    so that each kernel is seen: the kernels' own times, not the launch gaps between them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, context = int(case["batch"]), int(case["context"])
+    ids = torch.randint(0, shard.vocab, (batch,), device=shard.device)
+    for _ in range(2):
+        shard.step(ids, decode=(batch, context))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            shard.step(ids, decode=(batch, context))
+        torch.cuda.synchronize()
+    classes: dict[str, dict[str, float]] = {}
+    kernels = []
+    for e in prof.key_averages():
+        total = float(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0))
+        if total <= 0 or e.count == 0:
+            continue
+        label = kernel_class(e.key)
+        acc = classes.setdefault(label, {"us_per_step": 0.0, "kernels_per_step": 0.0})
+        acc["us_per_step"] += total / steps
+        acc["kernels_per_step"] += e.count / steps
+        kernels.append({"name": e.key[:120], "class": label, "us_per_step": total / steps})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    return {
+        "kind": "profile",
+        "batch": batch,
+        "context": context,
+        "classes": classes,
+        "top": kernels[:12],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m harness.gpu_probe", description=__doc__)
     p.add_argument("--model-config", required=True, help="a Hugging Face config.json")
@@ -286,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--small", action="store_true", help="tiny cases (a CPU smoke run)")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="BATCHxCONTEXT,...: instead of timing, where eager decode steps' GPU time goes",
+    )
     args = p.parse_args(argv)
     cfg = json.loads(Path(args.model_config).read_text())
     cuda = torch.cuda.is_available()
@@ -293,7 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and not args.small:
         print("gpu_probe: no CUDA GPU (use --small for a CPU smoke run)", file=sys.stderr)
         return 2
-    cases = default_cases(args.small)
+    profiles = [tuple(map(int, c.split("x"))) for c in args.profile.split(",") if c]
+    if profiles and not cuda:
+        print("gpu_probe: --profile needs a CUDA GPU", file=sys.stderr)
+        return 2
+    cases = (
+        [{"kind": "decode", "batch": b, "context": c} for b, c in profiles]
+        if profiles
+        else default_cases(args.small)
+    )
     max_kv = max(
         int(c.get("batch", 0)) * int(c.get("context", 0))
         + int(c.get("sequences", 1)) * int(c.get("context", 0) if c["kind"] == "chunk" else 0)
@@ -308,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         "iters": args.iters,
         "repeats": args.repeats,
     }
-    out.update(gpu_rates(device, cuda))
+    if not profiles:
+        out.update(gpu_rates(device, cuda))
     shard = Shard(cfg, args.tp, max_kv, device)
     out["weight_bytes_per_rank"] = shard.weight_bytes()
     out["cases"] = []
@@ -317,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         try:
             with torch.inference_mode():
-                run_case(shard, case, args.iters, args.repeats, cuda)
+                if profiles:
+                    case.update(profile_case(shard, case))
+                else:
+                    run_case(shard, case, args.iters, args.repeats, cuda)
         except Exception as exc:  # a case that fails is recorded, the others still run
             case["error"] = f"{type(exc).__name__}: {exc}"[:300]
         out["cases"].append(case)

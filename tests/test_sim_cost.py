@@ -284,7 +284,10 @@ def test_the_gpu_probe_runs_every_kind_of_case(tmp_path: Path) -> None:
     argv = ["-m", "harness.gpu_probe", "--model-config", str(config), "--small"]
     argv += ["--out", str(out), "--iters", "2", "--repeats", "2"]
     root = Path(__file__).resolve().parent.parent
-    subprocess.run([str(ensure_vllm()), *argv], cwd=root, check=True, timeout=300)
+    python = str(ensure_vllm())
+    subprocess.run([python, *argv], cwd=root, check=True, timeout=300)
+    doctests = "import doctest, harness.gpu_probe as m; raise SystemExit(doctest.testmod(m).failed)"
+    subprocess.run([python, "-c", doctests], cwd=root, check=True, timeout=300)
     data = json.loads(out.read_text())
     kinds = {c["kind"] for c in data["cases"]}
     assert kinds == {"decode", "prefill", "chunk", "mixed"}
