@@ -13,7 +13,8 @@ from sidecar.config import Policy
 from sidecar.engine.discovery import EngineConfig
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
-from sidecar.observability.exporter import MODEL_NAME, Metrics
+from sidecar.observability.exporter import Metrics
+from sidecar.observability.model_name import MODEL_NAME
 from tests.support.snapshots import Clock
 
 BLOCKS = UniformBlocks(128, 131_072)
