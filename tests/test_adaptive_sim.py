@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +25,8 @@ from harness.sim_server import SimServer
 from harness.workload import SidecarProcess
 from sidecar.admission.learner import LengthLearner
 from sidecar.engine.snapshot import parse_vllm_metrics
+from tests.support.sim import wait_idle
+from tests.support.wait import until
 
 pytestmark = pytest.mark.vllm
 
@@ -83,13 +84,11 @@ def prompt_tokens(sim: SimServer) -> int:
 
 def wait_decided(sc: SidecarProcess, count: int, timeout: float = 60.0) -> dict[str, Any]:
     """The sidecar's /state once ``count`` requests are in flight or queued."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = sc.state()
-        if state["in_flight"] + state["queue_depth"] >= count:
-            return state
-        assert time.monotonic() < deadline, f"not {count} decided: {state}"
-        time.sleep(0.05)
+    return until(
+        lambda: (s := sc.state())["in_flight"] + s["queue_depth"] >= count and s,
+        f"{count} decided",
+        timeout,
+    )
 
 
 async def _hold(url: str, bodies: list[dict[str, Any]], ready: asyncio.Event) -> None:
@@ -126,19 +125,6 @@ def admitted_while_held(sim: SimServer, sc: SidecarProcess, count: int) -> dict[
     finally:
         sim.set_mode("roofline")
         wait_idle(sim)
-
-
-def wait_idle(sim: SimServer, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = httpx.get(sim.url + "/metrics", timeout=10).text
-        busy = (metric_value(text, "vllm:num_requests_running") or 0) + (
-            metric_value(text, "vllm:num_requests_waiting") or 0
-        )
-        if busy == 0:
-            return
-        assert time.monotonic() < deadline, "vLLM did not go idle"
-        time.sleep(0.1)
 
 
 def test_a_cold_sidecar_admits_chats_without_max_tokens_to_vllms_concurrency(

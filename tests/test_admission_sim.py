@@ -34,7 +34,7 @@ from harness.sim_server import SimServer
 from harness.workload import SidecarProcess, make_prompts
 from tests.support.autoscalers import keda_desired, rendered
 from tests.support.prometheus_server import PrometheusServer, ScrapeJob
-from tests.support.sim import cache_config, metrics
+from tests.support.sim import cache_config, metrics, wait_idle
 from tests.support.stepped import Clients, Stepper, admitted, held, streamed
 from tests.support.wait import wait_for
 
@@ -73,14 +73,6 @@ def block(sim: SimServer) -> int:
     labels = cache_config(sim)
     assert labels["num_gpu_blocks"] == str(BLOCKS)
     return int(labels["block_size"])
-
-
-def wait_idle(sim: SimServer) -> None:
-    def idle() -> bool:
-        m = metrics(sim)
-        return m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) == 0
-
-    wait_for(idle, "vLLM idle", within=60)
 
 
 def preemptions(sim: SimServer) -> float:

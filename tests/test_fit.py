@@ -308,8 +308,12 @@ def test_a_few_risked_requests_may_wait_in_vllms_own_queue() -> None:
     pool = PoolState(capacity_blocks=24, used_blocks=None, external_blocks=0, stale=False)
     admitted = 0
     while fits(
-        ledger, ledger.candidate(proj(64, 4000), streamed=True), pool, headroom=0.0,
-        strict=False, risked=True,
+        ledger,
+        ledger.candidate(proj(64, 4000), streamed=True),
+        pool,
+        headroom=0.0,
+        strict=False,
+        risked=True,
     ):
         ledger.reserve(proj(64, 4000), streamed=True)
         admitted += 1
@@ -327,9 +331,18 @@ def test_what_vllm_held_at_the_scrape_falls_by_what_ended_since() -> None:
     view = EngineView(ledger)
     view.update(
         EngineSnapshot(
-            taken_at=0.0, block_size=16, num_gpu_blocks=101, engines=1, kv_cache_usage=0.2,
-            running=2, preemptions_total=0, generation_tokens_total=0, cache_dtype="auto",
-            prefix_caching=True, kv_cache_memory_bytes=None, has_cache_config=True,
+            taken_at=0.0,
+            block_size=16,
+            num_gpu_blocks=101,
+            engines=1,
+            kv_cache_usage=0.2,
+            running=2,
+            preemptions_total=0,
+            generation_tokens_total=0,
+            cache_dtype="auto",
+            prefix_caching=True,
+            kv_cache_memory_bytes=None,
+            has_cache_config=True,
         )
     )
     assert view.used_now_blocks() == 20

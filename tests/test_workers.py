@@ -45,7 +45,7 @@ from tests.support.external import unless_external
 from tests.support.owners import admission_owner
 from tests.support.stepped import frozen_engine
 from tests.support.vllm_idle import idle_preemptions
-from tests.support.wait import eventually
+from tests.support.wait import eventually, until
 
 #: a completions request the fake counts as 3 prompt tokens; with max_tokens 900 it may reach
 #: 903 tokens: 8 blocks of 128, so that 7 fit the budget of 59 at once
@@ -105,16 +105,6 @@ def served_by(sc: SidecarProcess) -> dict[str, float]:
         slot: metric_value(text, "kv_sidecar_relay_worker_requests_total", worker=slot) or 0.0
         for slot in ("0", "1")
     }
-
-
-def wait_for(check: Any, timeout: float = 20.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what or check}"
-        time.sleep(0.05)
 
 
 async def _many(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, bytes]]:
@@ -363,7 +353,7 @@ def test_requests_spread_over_both_workers_and_are_counted_once(
         text = sidecar.metrics()
         return metric_value(text, "kv_sidecar_requests_total", decision="admit") == sent
 
-    wait_for(counted, what="every request counted")
+    until(counted, what="every request counted")
     text = sidecar.metrics()
     # one exposition: each family once, the workers' events summed in it
     assert text.count("# TYPE kv_sidecar_requests_total counter") == 1
@@ -432,7 +422,7 @@ def test_a_burst_over_the_budget_spread_over_the_workers_never_over_admits(
     assert max(s["in_flight"] for s in samples) <= budget // 7
     assert max(s["queue_depth"] for s in samples) > 0
     assert all(served_by(sidecar).values()), served_by(sidecar)
-    state = wait_for(lambda: (s := sidecar.state())["in_flight"] == 0 and s, what="ledger empty")
+    state = until(lambda: (s := sidecar.state())["in_flight"] == 0 and s, what="ledger empty")
     assert state["reserved_blocks"] == 0
 
 
@@ -464,8 +454,8 @@ def test_a_killed_worker_releases_its_reservations_and_is_replaced(
         threads.append(threading.Thread(target=stream, args=(k,)))
         threads[-1].start()
     try:
-        wait_for(lambda: sidecar.state()["in_flight"] == 6, what="six streams admitted")
-        wait_for(lambda: sum(served_by(sidecar).values()) == 6, what="six reported")
+        until(lambda: sidecar.state()["in_flight"] == 6, what="six streams admitted")
+        until(lambda: sum(served_by(sidecar).values()) == 6, what="six reported")
         # the busier worker (the kernel may hand all six connections to one)
         counts = served_by(sidecar)
         slot = max(counts, key=lambda s: counts[s])
@@ -474,8 +464,8 @@ def test_a_killed_worker_releases_its_reservations_and_is_replaced(
         os.kill(victim, signal.SIGKILL)
         # the victim's streams fail, and their reservations go with its connection
         lost = int(counts[slot])
-        wait_for(lambda: streams.count(-1) == lost, what="the victim's clients cut off")
-        wait_for(
+        until(lambda: streams.count(-1) == lost, what="the victim's clients cut off")
+        until(
             lambda: sidecar.state()["in_flight"] == 6 - lost,
             what="the victim's reservations released",
         )
@@ -484,13 +474,16 @@ def test_a_killed_worker_releases_its_reservations_and_is_replaced(
         stop.set()
         for thread in threads:
             thread.join()
-    state = wait_for(lambda: (s := sidecar.state())["in_flight"] == 0 and s, what="ledger empty")
+    state = until(lambda: (s := sidecar.state())["in_flight"] == 0 and s, what="ledger empty")
     assert state["reserved_blocks"] == 0 and state["queue_depth"] == 0
     assert f"(pid {victim}) disconnected: released {lost} reservations" in sidecar.log()
     assert f"(pid {victim}) exited" in sidecar.log()
     # a new worker took the slot, and serves
-    wait_for(lambda: len(children(owner)) == 2 and victim not in children(owner), what="respawn")
-    wait_for(lambda: metric_value(sidecar.metrics(), "kv_sidecar_relay_workers") == 2)
+    until(lambda: len(children(owner)) == 2 and victim not in children(owner), what="respawn")
+    until(
+        lambda: metric_value(sidecar.metrics(), "kv_sidecar_relay_workers") == 2,
+        "two relay workers reported",
+    )
     sidecar.wait_ready()
     before = served_by(sidecar)[slot]
     app.token_delay = 0.01
@@ -562,7 +555,7 @@ def test_workers_exit_when_they_lose_the_owner(fake: tuple[FakeVllm, FakeServer]
         def gone() -> bool:
             return all(_exited(pid) for pid in workers)
 
-        wait_for(gone, timeout=30, what="the workers to exit")
+        until(gone, what="the workers to exit", within=30)
     finally:
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -615,10 +608,10 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
                 sent = asyncio.ensure_future(burst(sc.url, prompts, max_tokens=max_tokens))
                 # every request decided, none can end: what fits runs, the rest wait
                 state = await asyncio.to_thread(
-                    wait_for,
+                    until,
                     lambda: (s := sc.state())["in_flight"] + s["queue_depth"] == count and s,
-                    120.0,
                     f"the burst of {count} decided with the engine stopped",
+                    120.0,
                 )
                 assert not sent.done(), sent.result()
             return await sent, state
@@ -629,10 +622,10 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
         assert [r.completion_tokens for r in results] == [max_tokens] * count
         # every request decided once, as the workers report it (a report reaches the owner
         # after the answer): the queue the frozen burst formed, exactly
-        wait_for(
+        until(
             lambda: sum(served_by(sc).values()) == count,
-            60.0,
             f"the workers' reports of {count} requests",
+            60.0,
         )
         text = sc.metrics()
         assert metric_value(text, "kv_sidecar_requests_total", reason="fits") == running, text

@@ -7,6 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.exposition import cache_config_labels
 from harness.sim_server import SimServer
+from tests.support.wait import wait_for
 
 
 def metrics(sim: SimServer) -> dict[str, float]:
@@ -22,3 +23,13 @@ def metrics(sim: SimServer) -> dict[str, float]:
 def cache_config(sim: SimServer) -> dict[str, str]:
     """The labels of ``vllm:cache_config_info``."""
     return cache_config_labels(httpx.get(sim.url + "/metrics", timeout=10).text)
+
+
+def wait_idle(sim: SimServer, within: float = 60.0) -> None:
+    """Until vLLM runs and holds waiting no request (its own gauges)."""
+
+    def idle() -> bool:
+        m = metrics(sim)
+        return m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) == 0
+
+    wait_for(idle, "vLLM idle", within=within)

@@ -1,11 +1,15 @@
-"""Polls until true with a deadline: :func:`wait_for` for every test that waits on a process,
-:func:`eventually` for the tests that wait inside their own event loop."""
+"""Polls until true with a deadline: :func:`wait_for` for every test that waits on a process
+(:func:`until` where the test wants the value that came true), :func:`eventually` for the tests
+that wait inside their own event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def wait_for(check: Callable[[], bool], what: str, within: float, step: float = 0.01) -> float:
@@ -16,6 +20,16 @@ def wait_for(check: Callable[[], bool], what: str, within: float, step: float = 
         assert elapsed < within, f"not within {within}s: {what}"
         time.sleep(step)
     return time.monotonic() - t0
+
+
+def until(check: Callable[[], T], what: str, within: float = 20.0, step: float = 0.05) -> T:
+    """Poll ``check`` until it returns something true; that value. Fails the test after
+    ``within`` s."""
+    t0 = time.monotonic()
+    while not (value := check()):
+        assert time.monotonic() - t0 < within, f"not within {within}s: {what}"
+        time.sleep(step)
+    return value
 
 
 async def eventually(
