@@ -169,6 +169,33 @@ class Shard:
         logits = self._norm(x, self.final_norm) @ self.lm_head
         return logits.argmax(dim=-1)
 
+    def decode_layer(
+        self,
+        x: torch.Tensor,
+        b: dict[str, torch.Tensor],
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        context: int,
+    ) -> torch.Tensor:
+        """One layer of a decode step on its KV views ``kc``, ``vc`` (the unit
+        ``torch.compile`` fuses: norms, residual adds, the activation, the KV write)."""
+        batch, d = x.shape[0], self.head_dim
+        q, k, v = self._split(self._norm(x, b["n1"]) @ b["qkv"])
+        kc[:, :, context - 1, :] = k.view(batch, self.kv_heads, d)
+        vc[:, :, context - 1, :] = v.view(batch, self.kv_heads, d)
+        g = self.heads // self.kv_heads
+        out = F.scaled_dot_product_attention(q.view(batch, self.kv_heads, g, d), kc, vc)
+        return self._mlp(x + out.reshape(batch, self.heads * d) @ b["o"], b)
+
+    def decode_step(self, ids: torch.Tensor, context: int, layer: Any) -> torch.Tensor:
+        """A decode step through ``layer`` (:meth:`decode_layer`, or it compiled)."""
+        batch = ids.shape[0]
+        x = self.embed[ids]
+        for i, b in enumerate(self.blocks):
+            kc, vc = self._kv(i, batch, context)
+            x = layer(x, b, kc, vc, context)
+        return (self._norm(x, self.final_norm) @ self.lm_head).argmax(dim=-1)
+
 
 def _time(fn: Any, iters: int, repeats: int, cuda: bool) -> list[float]:
     for _ in range(2):
@@ -259,6 +286,9 @@ def run_case(shard: Shard, case: dict[str, Any], iters: int, repeats: int, cuda:
         batch, context = int(case["batch"]), int(case["context"])
         ids = torch.randint(0, shard.vocab, (batch,), device=dev)
         fn = lambda: shard.step(ids, decode=(batch, context))  # noqa: E731
+        if case.get("compiled"):
+            layer = torch.compile(shard.decode_layer, dynamic=False)
+            fn = lambda: shard.decode_step(ids, context, layer)  # noqa: E731
         if cuda and case.get("graphs", 1):
             fn = _graphed(fn)
         times = _time(fn, iters, repeats, cuda)
@@ -346,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--small", action="store_true", help="tiny cases (a CPU smoke run)")
     p.add_argument(
+        "--compiled",
+        default="",
+        help="BATCHxCONTEXT,...: instead of the default cases, each decode step timed as it is "
+        "and with its layer through torch.compile (fused as vLLM compiles its model)",
+    )
+    p.add_argument(
         "--profile",
         default="",
         help="BATCHxCONTEXT,...: instead of timing, where eager decode steps' GPU time goes",
@@ -361,10 +397,17 @@ def main(argv: list[str] | None = None) -> int:
     if profiles and not cuda:
         print("gpu_probe: --profile needs a CUDA GPU", file=sys.stderr)
         return 2
-    cases = (
+    compiled = [tuple(map(int, c.split("x"))) for c in args.compiled.split(",") if c]
+    cases: list[dict[str, Any]] = (
         [{"kind": "decode", "batch": b, "context": c} for b, c in profiles]
         if profiles
-        else default_cases(args.small)
+        else [
+            {"kind": "decode", "batch": b, "context": c, **({"compiled": 1} if comp else {})}
+            for b, c in compiled
+            for comp in (False, True)
+        ]
+        if compiled
+        else list(default_cases(args.small))
     )
     max_kv = max(
         int(c.get("batch", 0)) * int(c.get("context", 0))
