@@ -294,3 +294,11 @@ def test_the_gpu_probe_runs_every_kind_of_case(tmp_path: Path) -> None:
     assert all("error" not in c and c["seconds"] > 0 for c in data["cases"]), data["cases"]
     rows = probe_rows(data, "h200", str(config))
     assert [r["tokens"] for r in rows] == [2, 4, 32, 16, 18]
+    # --compiled: each decode case as it is and with its layer through torch.compile
+    compiled = tmp_path / "compiled.json"
+    argv = ["-m", "harness.gpu_probe", "--model-config", str(config), "--compiled", "2x16"]
+    argv += ["--small", "--out", str(compiled), "--iters", "2", "--repeats", "2"]
+    subprocess.run([python, *argv], cwd=root, check=True, timeout=600)
+    cases = json.loads(compiled.read_text())["cases"]
+    assert [c.get("compiled", 0) for c in cases] == [0, 1], cases
+    assert all("error" not in c and c["seconds"] > 0 for c in cases), cases
