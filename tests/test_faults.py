@@ -712,9 +712,20 @@ async def test_client_disconnects_abort_upstream_and_release_the_reservation(
                 out["mid_stream_released_s"] = await sidecar_until(
                     client, sc, "A released", _empty, RELEASE_WITHIN, since=t0
                 )
-            out["mid_stream_vllm_running_0_s"] = await engine.until(
-                "running 0 after A", lambda v: v["running"] == 0, VLLM_STOP_WITHIN, since=t0
-            )
+                # vLLM's part, with its engine still in pulses: its API server must see the
+                # connection the sidecar closed and abort A while the engine runs slowly (let run
+                # free, a busy host's API server once noticed too late: the engine had finished
+                # all 900 tokens, a fresh-clone CI run). Each pulse decodes a few tokens, so A
+                # stays far from its end however long the abort takes within the deadline.
+                pulsing = asyncio.ensure_future(_pulse_engine(vllm))
+                try:
+                    out["mid_stream_vllm_running_0_s"] = await engine.until(
+                        "running 0 after A", lambda v: v["running"] == 0, VLLM_STOP_WITHIN, since=t0
+                    )
+                finally:
+                    pulsing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await pulsing
             after_a = await engine.settled()
             # vLLM cut A's answer short
             out["mid_stream_vllm_generated"] = after_a["generated"] - after_b["generated"]
