@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from grafana import build
 from grafana.alerts import rule_groups
 from tests.support.dashboard import dashboard_queries, iter_panels, load_dashboard, substitute
+from tests.support.metrics_doc import metric_rows
 from tests.support.promtool import run_promtool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,20 +108,7 @@ class Series:
 def _doc_series(text: str) -> dict[str, Series]:
     """The sidecar's series from docs/metrics.md's tables (histograms expanded)."""
     series: dict[str, Series] = {}
-    columns: list[str] | None = None
-    for line in text.splitlines():
-        if not line.startswith("|"):
-            columns = None
-            continue
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if cells[0] == "name":
-            columns = cells
-            continue
-        if columns is None or set(cells[0]) <= set("-: "):
-            continue
-        row = dict(zip(columns, cells, strict=False))
-        first, *alternatives = re.findall(r"`([^`]+)`", row["name"])
-        names = [first] + [re.sub(r"_[a-z]+$", alt, first) for alt in alternatives]
+    for row, names in metric_rows(text):
         kind = row["type"].split()[0]
         labels = frozenset(re.findall(r"`([^`]+)`", row.get("labels", "")))
         for name in names:

@@ -19,6 +19,7 @@ from prometheus_client.samples import Sample
 
 from harness.fake_vllm import FakeServer
 from harness.vllm_formats import models_list
+from tests.support.metrics_doc import metric_rows
 from tests.support.stack import Stack, run_sidecar
 from tests.support.wait import eventually
 
@@ -67,21 +68,9 @@ async def samples(stack: Stack) -> list[Sample]:
 
 def documented_with_model_name() -> Iterator[tuple[str, bool]]:
     """Each sidecar series of docs/metrics.md's tables, and whether its labels name model_name."""
-    columns: list[str] | None = None
-    for line in DOCS.read_text(encoding="utf-8").splitlines():
-        if not line.startswith("|"):
-            columns = None
-            continue
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if cells[0] == "name":
-            columns = cells
-            continue
-        if columns is None or set(cells[0]) <= set("-: "):
-            continue
-        row = dict(zip(columns, cells, strict=False))
-        first, *alternatives = re.findall(r"`([^`]+)`", row["name"])
+    for row, names in metric_rows(DOCS.read_text(encoding="utf-8")):
         labelled = "`model_name`" in row.get("labels", "")
-        for name in [first] + [re.sub(r"_[a-z]+$", alt, first) for alt in alternatives]:
+        for name in names:
             yield name, labelled
 
 
