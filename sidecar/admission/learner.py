@@ -309,6 +309,45 @@ class LengthLearner:
         mean, sd, skew = lengths.moments()
         return pooled_length(mean, sd, skew, quantile, concurrency, len(lengths))
 
+    def spread_window(self, klass: str) -> list[int] | None:
+        """The answers ``sidecar.kv.spread`` spreads a request of ``klass``'s end over, sorted:
+        the class's own, else every class's once vLLM's histogram no longer stands among them
+        (its buckets' answers are placed, not measured); None with fewer than
+        :data:`POOLED_MIN_SAMPLES`, or for a class that runs to its max_tokens.
+
+        >>> learner = LengthLearner()
+        >>> for n in range(40):
+        ...     learner.observe("chat:none", 100 + n)
+        >>> learner.spread_window("chat:none")[:3], len(learner.spread_window("chat:512"))
+        ([100, 101, 102], 40)
+        """
+        if runs_to_max(klass):
+            return None
+        lengths = self._lengths.get(klass)
+        if lengths is None or len(lengths) < POOLED_MIN_SAMPLES:
+            lengths = self._all
+            if self.observed < len(lengths):
+                return None  # seeded from vLLM's histogram, still in the window
+        if len(lengths) < POOLED_MIN_SAMPLES:
+            return None
+        return lengths.ranked
+
+    def spread_windows(self) -> tuple[list[list[int]], Callable[[str], int]]:
+        """The windows :meth:`spread_window` gives, filled as the returned function is asked for
+        a class's index among them (-1: none)."""
+        windows: list[list[int]] = []
+        index: dict[str, int] = {}
+
+        def window_of(klass: str) -> int:
+            if klass not in index:
+                window = self.spread_window(klass)
+                index[klass] = -1 if window is None else len(windows)
+                if window is not None:
+                    windows.append(window)
+            return index[klass]
+
+        return windows, window_of
+
     def length_share(self) -> float:
         """The share of answers that ran to their max_tokens (vLLM's ``finished_reason``
         ``length`` at the first scrape, then the answers seen): how likely a request that names

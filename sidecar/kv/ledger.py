@@ -38,6 +38,7 @@ from sidecar.kv.blocks import BlockMath
 from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
 from sidecar.kv.rows import Bound, Profile, Rows
+from sidecar.kv.spread import SpreadRows
 from sidecar.kv.trajectory import ArrayColumns, Columns, future_peak
 
 _NEVER = math.inf  # the remaining steps of a sequence not started yet: it may start any time
@@ -407,6 +408,37 @@ class Ledger:
             ),
             gone,
         )
+
+    def spread_rows(self, window_of: Callable[[str], int], *extra: Reservation) -> SpreadRows:
+        """The requests in flight (and ``extra``, not started) as ``sidecar.kv.spread`` rows;
+        ``window_of``: a class's index among the windows of learned lengths (-1: none)."""
+        rows = self._rows
+        n = rows.n
+        by_class = np.array([window_of(k) for k in rows.classes] or [-1], dtype=np.int64)
+        out = SpreadRows(
+            rows.prompt[:n].copy(),
+            rows.done[:n].copy(),
+            rows.end[:n].copy(),
+            rows.max_end[:n].copy(),
+            rows.weight[:n].copy(),
+            rows.started[:n].copy(),
+            by_class[rows.klass[:n]],
+        )
+        for res in extra:
+            p = res.projection
+            k = len(p.prompt_tokens)
+            out = out.joined(
+                SpreadRows.of(
+                    p.prompt_tokens,
+                    [0] * k,
+                    res.ends,
+                    p.max_tokens,
+                    [p.n] * k,
+                    [False] * k,
+                    [window_of(res.klass)] * k,
+                )
+            )
+        return out
 
     def peak_with(self, *extra: Reservation, worst_case: bool = False) -> int:
         """The most blocks the requests in flight and ``extra`` (candidates, not started) can
