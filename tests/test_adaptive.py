@@ -4,7 +4,6 @@ recompute costs on this engine, and the decode-step target."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import statistics
@@ -21,7 +20,7 @@ from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import Projection, project_counts
-from tests.support.snapshots import Clock
+from tests.support.snapshots import Clock, teach_costs
 
 BLOCKS = UniformBlocks(128)
 MAX_MODEL_LEN = 2048
@@ -147,33 +146,8 @@ def test_history_with_answers_past_the_last_bucket_reserves_to_max_tokens() -> N
 
 
 def _costly(ac: AdmissionController, clock: Clock, *, per_token: float, running: int = 8) -> None:
-    """Teach the controller an engine whose decode step takes 10 ms + ``per_token`` per
-    sequence and whose prefill adds ``per_token`` per prompt token, with ``running`` sequences
-    decoding: half the batch for a while (the line's base is told from its slope only where the
-    batch varied), 256-token prompts finishing their prefill among the decode steps, then the
-    full batch long enough for the smoothed decode step (weight 0.2 a scrape) to be its own."""
-    prev = snapshot(clock, running=running)
-    ac.on_snapshot(prev)
-    for k in range(32):
-        clock.now += 0.5
-        batch = running // 2 + 1 if k < 16 and k % 2 else running
-        step = 0.010 + per_token * batch
-        tokens = 0.5 / step * batch
-        prompts = 2 if k < 16 else 0
-        prev = dataclasses.replace(
-            prev,
-            taken_at=clock(),
-            running=batch,
-            generation_tokens_total=prev.generation_tokens_total + tokens,
-            inter_token_latency_sum=prev.inter_token_latency_sum + tokens * step,
-            inter_token_latency_count=prev.inter_token_latency_count + tokens,
-            prefill_seconds_sum=prev.prefill_seconds_sum + prompts * (step + per_token * 256),
-            prefill_count=prev.prefill_count + prompts,
-            prompt_tokens_sum=prev.prompt_tokens_sum + prompts * 256,
-            prompt_tokens_total=prev.prompt_tokens_total + prompts * 256,
-        )
-        ac.on_snapshot(prev)
-    ac.on_snapshot(dataclasses.replace(prev, running=0, taken_at=clock()))
+    """``teach_costs`` on this module's engine (``snapshot``)."""
+    teach_costs(ac, clock, snapshot(clock), per_token=per_token, running=running)
 
 
 def test_long_prompts_are_held_back_where_a_recompute_is_costly_and_short_ones_are_not() -> None:

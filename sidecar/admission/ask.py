@@ -60,6 +60,8 @@ class KVState:
     predicted_at_snapshot_blocks: int | None
     in_flight_at_snapshot: int
     preemptions_seen: float = 0.0  # vLLM's preemptions since the sidecar started
+    #: placements adaptive mode's spread ends allowed where the laid-out peak did not
+    spread_admitted: int = 0
     #: output tokens expected mode reserves per sequence, per request class that has learned a
     #: length (empty in worst-case mode)
     expected_output_tokens: Mapping[str, int] = field(default_factory=dict)

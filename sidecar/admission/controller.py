@@ -50,6 +50,7 @@ from sidecar.admission.learner import LengthLearner
 from sidecar.admission.pools import Pool, Pools, pool_state
 from sidecar.admission.queue import WaitQueue
 from sidecar.admission.retry import MIN_RETRY_AFTER
+from sidecar.admission.second_opinion import SecondOpinion
 from sidecar.admission.spill import Estimate, first_token, judge
 from sidecar.admission.tenants import TenantUsage
 from sidecar.admission.waits import expected_wait, prefill_seconds, retry_in
@@ -119,6 +120,8 @@ class AdmissionController:
         self.class_stats = ClassStats()  # decisions and waits per priority and tenant
         self._snapshot: EngineSnapshot | None = None
         self.draining = False
+        #: adaptive mode's second opinion where the laid-out peak refuses
+        self.second_opinion = SecondOpinion(self.learner, self.reserving, clock=clock)
 
     @property
     def reservation_mode(self) -> ReservationMode:
@@ -239,6 +242,7 @@ class AdmissionController:
         return max(0, kept - self._favoured.get(pool.engine, 0))
 
     def _fits(self, pool: Pool, candidate: Reservation, stale: bool, priority: int = 0) -> bool:
+        risked = self._risked(pool, candidate)
         if not fits(
             pool.ledger,
             candidate,
@@ -246,8 +250,8 @@ class AdmissionController:
             headroom=self.headroom,
             strict=self.reservation_mode is ReservationMode.worst_case,
             reserve_blocks=self.reserve_blocks(pool, priority),
-            risked=self._risked(pool, candidate),
-        ):
+            risked=risked,
+        ) and (risked or not self._second_opinion(pool, candidate, stale, priority)):
             return False
         if self.tpot_target is not None:
             running = pool.view.snapshot.running if pool.view.snapshot is not None else 0
@@ -261,6 +265,21 @@ class AdmissionController:
                 self._held_by_latency = True
                 return False
         return True
+
+    def _second_opinion(
+        self, pool: Pool, candidate: Reservation, stale: bool, priority: int
+    ) -> bool:
+        """The spread ends' judgement (``sidecar.admission.second_opinion``), adaptive mode's."""
+        if self.reservation_mode is not ReservationMode.adaptive:
+            return False
+        return self.second_opinion.fits(
+            pool,
+            candidate,
+            pool_state(pool, stale),
+            headroom=self.headroom,
+            reserve_blocks=self.reserve_blocks(pool, priority),
+            priority=priority,
+        )
 
     def _risked(self, pool: Pool, candidate: Reservation) -> bool:
         """Whether adaptive mode admits ``candidate`` as vLLM admits (``Ends.risked``: its
@@ -625,6 +644,7 @@ class AdmissionController:
             class_waited=dict(stats.waited),
             class_queued=queued,
             class_oldest_wait=oldest,
+            spread_admitted=self.second_opinion.admitted,
         )
 
     def fail_queue(self) -> None:

@@ -605,6 +605,12 @@ class StateCollector(Collector):
             "Preemptions vLLM reported since the sidecar started.",
             value=state.preemptions_seen,
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_spread_admissions",
+            "Placements adaptive mode made on the in-flight answers' spread ends where their "
+            "laid-out peak refused.",
+            value=state.spread_admitted,
+        )
         yield vllm_info(info)
         yield build_info()
         yield InfoMetricFamily(
