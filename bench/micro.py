@@ -202,6 +202,34 @@ def bench_refusal() -> list[float]:
     return per_call(refuse, repeat=7, number=50)
 
 
+def bench_second_opinion() -> list[float]:
+    """Adaptive mode's second opinion near capacity (``sidecar.admission.fit.spread_fits``):
+    every sequence in flight spread over its class's 512 learned answers, the candidate's fit
+    judged on that; one computation each (the controller rations them to 10% of its time,
+    ``sidecar.admission.second_opinion``)."""
+    import random
+
+    from sidecar.admission.fit import spread_fits
+    from sidecar.admission.learner import LengthLearner
+    from sidecar.admission.pools import pool_state
+
+    ac = _near_capacity()
+    learner = LengthLearner()
+    rng = random.Random(1)
+    for klass in {r.klass for r in ac.ledger}:
+        for _ in range(512):
+            learner.observe(klass, rng.randint(1, 512))
+    p = project_counts((731,), requested_max_tokens=512, n=1, max_model_len=8192, blocks=BLOCKS)
+    candidate = ac.ledger.candidate(p, streamed=True)
+    state = pool_state(ac.pools[0], False)
+
+    def judge() -> None:
+        windows, window_of = learner.spread_windows()
+        spread_fits(ac.ledger, candidate, state, windows, window_of, headroom=0.05, quantile=0.95)
+
+    return per_call(judge, repeat=7, number=20)
+
+
 def bench_advance() -> list[float]:
     """A request in flight advances a token (the relay does this per streamed chunk)."""
     ac = loaded_controller()
@@ -349,6 +377,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             None,
         ),
         ("  near capacity, refused with Retry-After (`--policy reject`)", bench_refusal(), None),
+        (
+            "  adaptive mode's second opinion: the spread ends over every sequence in flight",
+            bench_second_opinion(),
+            None,
+        ),
         (
             "a request advances a token (the ledger's part of a relayed chunk)",
             bench_advance(),

@@ -5,8 +5,10 @@ engine's own clock (``GET /state`` of its control channel) read before and after
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,13 +22,18 @@ from harness.sim_server import SimServer
 from harness.workload import SidecarProcess, vllm_preemptions
 
 
-def sidecar_args(config: str, time_scale: float) -> list[str]:
+def sidecar_args(config: str, time_scale: float, lengths_file: Path | None = None) -> list[str]:
     """The sidecar's flags for ``config``: its defaults (``sidecar-adaptive`` names no
     ``--reservation``: adaptive is the default), ``--reservation worst-case`` for
-    ``sidecar-worst-case``; the time-valued defaults stretched by the time scale; the info log
-    that says the tokenizer is loaded."""
+    ``sidecar-worst-case``; ``-warm``: ``--lengths-file lengths_file`` (kept from one repetition
+    to the next: a pod restarted into what it had learned); the time-valued defaults stretched
+    by the time scale; the info log that says the tokenizer is loaded."""
     args: list[str] = []
     reservation = config.removeprefix("sidecar-")
+    if reservation.endswith("-warm"):
+        reservation = reservation.removesuffix("-warm")
+        if lengths_file is not None:
+            args += ["--lengths-file", str(lengths_file)]
     times = dict(SIDECAR_TIMES)
     if reservation.endswith("-long-wait"):
         reservation = reservation.removesuffix("-long-wait")
@@ -37,6 +44,11 @@ def sidecar_args(config: str, time_scale: float) -> list[str]:
         if time_scale != 1 or seconds != SIDECAR_TIMES[flag]:
             args += [flag, f"{seconds * time_scale:g}"]
     return [*args, "--log-level", "info"]
+
+
+#: where ``-warm`` configurations keep their lengths files between repetitions (one per engine
+#: and workload; a new benchmark run starts them afresh)
+WARM_LENGTHS = Path(tempfile.mkdtemp(prefix="kv-sidecar-simgpu-lengths-"))
 
 
 def _sidecar_figures(text: str) -> dict[str, Any]:
@@ -67,7 +79,7 @@ def run_config(config: str, wl: SimWorkload, sim: SimServer) -> dict[str, Any]:
     sidecar: SidecarProcess | None = None
     args: list[str] = []
     if config.startswith("sidecar-"):
-        args = sidecar_args(config, scale)
+        args = sidecar_args(config, scale, WARM_LENGTHS / f"{sim.served_name}-{wl.name}.json")
         sidecar = SidecarProcess(sim.url, *args).start()
         wait_tokenizer(sidecar)
     url = sidecar.url if sidecar is not None else sim.url

@@ -31,7 +31,12 @@ HEAD_TOKENS = 8
 CONFIGS = ["direct", "sidecar-adaptive", "sidecar-worst-case"]
 #: side experiments, run only when named in --configs: the same sidecars with a queue wait
 #: long enough that no request times out in the queue (the CPU benchmark's --max-queue-wait 600)
-EXTRA_CONFIGS = ["sidecar-adaptive-long-wait", "sidecar-worst-case-long-wait"]
+#: and the default restarted into its --lengths-file (each repetition's file the next one's)
+EXTRA_CONFIGS = [
+    "sidecar-adaptive-long-wait",
+    "sidecar-worst-case-long-wait",
+    "sidecar-adaptive-warm",
+]
 LONG_QUEUE_WAIT = 600.0
 WORKLOADS = ["chat", "burst", "thrash", "poisson"]
 #: the sidecar's time-valued defaults (seconds), multiplied by the engine's time scale so that
