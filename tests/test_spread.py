@@ -286,3 +286,21 @@ def test_a_refusal_stands_while_only_progress_changed() -> None:
     clock.now += 0.06
     _burst(ac, [3000], "completions:4096")
     assert calls[0] == 2  # computed (and refused) once: before and after
+
+
+def test_a_second_opinion_that_cannot_be_computed_leaves_the_decision_to_the_peak(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A figure the spread cannot judge (here a ValueError from inside it) is logged and the
+    laid-out peak's refusal stands: queued, never a failed request."""
+    import sidecar.admission.second_opinion as second
+
+    def broken(*args: object, **kw: object) -> bool:
+        raise ValueError("cannot convert float NaN to integer")
+
+    monkeypatch.setattr(second, "spread_fits", broken)
+    clock = Clock()
+    ac = _thrash_controller(clock, [1500 + (1000 * k) // 255 for k in range(256)])
+    admitted = _burst(ac, [3000] * 64, "completions:4096")
+    assert 0 < admitted < 64 and ac.second_opinion.admitted == 0
+    assert "second opinion failed" in caplog.text

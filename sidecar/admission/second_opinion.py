@@ -14,6 +14,7 @@ already (``Ends.spread_quantile``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,8 @@ from sidecar.admission.fit import PoolState, spread_fits
 from sidecar.admission.learner import LengthLearner
 from sidecar.admission.pools import Pool
 from sidecar.kv.ledger import Reservation
+
+log = logging.getLogger("sidecar.admission")
 
 #: how long a refusal stands while nothing but progress changed (seconds of the controller's clock)
 RECHECK_SECONDS = 0.05
@@ -84,16 +87,20 @@ class SecondOpinion:
         if self._credit <= 0:
             return False
         windows, window_of = self.learner.spread_windows()
-        ok = spread_fits(
-            ledger,
-            candidate,
-            state,
-            windows,
-            window_of,
-            headroom=headroom,
-            quantile=max(chosen),
-            reserve_blocks=reserve_blocks,
-        )
+        try:
+            ok = spread_fits(
+                ledger,
+                candidate,
+                state,
+                windows,
+                window_of,
+                headroom=headroom,
+                quantile=max(chosen),
+                reserve_blocks=reserve_blocks,
+            )
+        except (ArithmeticError, ValueError):  # a figure it cannot judge: the peak decides
+            log.exception("the spread ends' second opinion failed; the laid-out peak decides")
+            ok = False
         t1 = self._timer()
         self._credit -= t1 - t0
         self._credit_at = t1
