@@ -9,7 +9,6 @@ import pytest
 
 from sidecar.admission.engine_view import EngineView
 from sidecar.admission.fit import (
-    LOWER_PRIMED,
     PRIMED_SEQUENCES,
     PoolState,
     budget_blocks,
@@ -321,31 +320,6 @@ def test_a_few_risked_requests_may_wait_in_vllms_own_queue() -> None:
         assert admitted <= PRIMED_SEQUENCES
     assert admitted == PRIMED_SEQUENCES
     assert held_now_blocks(ledger, pool) == 23 + 4 * PRIMED_SEQUENCES
-
-
-@pytest.mark.parametrize(
-    ("running", "prompt", "fits_"),
-    [
-        # nothing of the sidecar's waiting, the prompt fits beside the 22 blocks held: sent
-        (TWO, 48, True),
-        # the prompt does not fit now: not left in vLLM's queue (the default would prime it)
-        (TWO, 200, False),
-        # one of the sidecar's waits for vLLM already: a lower priority does not queue behind it
-        (TWO + WAITING[:1], 48, False),
-    ],
-)
-def test_a_lower_priority_is_never_left_waiting_in_vllms_queue(
-    running: list[Running], prompt: int, fits_: bool
-) -> None:
-    """``primed=LOWER_PRIMED`` (a positive priority): where its prompt fits now and nothing
-    else the sidecar sent waits to start, so that a better request sent after it is not queued
-    behind it in vLLM's first-come queue."""
-    ledger = ledger_of(running)
-    pool = PoolState(capacity_blocks=30, used_blocks=None, external_blocks=0, stale=False)
-    cand = ledger.candidate(proj(prompt, 4000), streamed=True)
-    lower = fits(ledger, cand, pool, headroom=0.0, strict=False, risked=True, primed=LOWER_PRIMED)
-    assert lower is fits_
-    assert fits(ledger, cand, pool, headroom=0.0, strict=False, risked=True)  # the default
 
 
 def test_what_vllm_held_at_the_scrape_falls_by_what_ended_since() -> None:

@@ -41,8 +41,6 @@ from sidecar.admission.costs import EngineCosts
 from sidecar.admission.decisions import Decision, Outcome, Reason
 from sidecar.admission.ends import Ends
 from sidecar.admission.fit import (
-    LOWER_PRIMED,
-    PRIMED_SEQUENCES,
     budget_blocks,
     fits,
     keeps_step_target,
@@ -253,7 +251,6 @@ class AdmissionController:
             strict=self.reservation_mode is ReservationMode.worst_case,
             reserve_blocks=self.reserve_blocks(pool, priority),
             risked=risked,
-            primed=LOWER_PRIMED if priority > 0 else PRIMED_SEQUENCES,
         ) and (risked or not self._second_opinion(pool, candidate, stale, priority)):
             return False
         if self.tpot_target is not None:

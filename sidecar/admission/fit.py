@@ -112,13 +112,11 @@ def fits(
     strict: bool,
     reserve_blocks: int = 0,
     risked: bool = False,
-    primed: int = 0,
 ) -> bool:
     """Whether ``candidate`` fits in the pool now (``strict``: worst-case mode, where every
     request runs to its reserved end and no further; ``reserve_blocks``: blocks of the budget
     the candidate may not take, kept for better priorities, none into an empty pool;
-    ``risked``: the candidate is admitted as vLLM admits, :func:`fits_now`, with ``primed``
-    its allowance of sequences waiting in vLLM's queue, :data:`PRIMED_SEQUENCES` where 0)."""
+    ``risked``: the candidate is admitted as vLLM admits, :func:`fits_now`)."""
     full = budget_blocks(pool.capacity_blocks, headroom)
     if full is None:
         return True  # nothing known yet (fail-open start-up): vLLM is the only judge
@@ -126,7 +124,7 @@ def fits(
     prompt = candidate.projection.prompt_blocks
     exact = candidate.projection.exact
     if risked and exact:
-        return fits_now(ledger, candidate, pool, budget, primed or PRIMED_SEQUENCES)
+        return fits_now(ledger, candidate, pool, budget)
     if exact and (strict or ledger.overruns == 0):
         # in worst-case mode always; in the others while no answer has run past its reserved end
         # (one that has is expected to grow beyond what it reserved)
@@ -215,38 +213,15 @@ def held_now_blocks(ledger: Ledger, pool: PoolState) -> int:
 #: own rendering later). Without it, on the CPU engine, chats without max_tokens on a pool of
 #: 31 blocks ran behind the sidecar with idle gaps between a release and the next admission.
 PRIMED_SEQUENCES = 4
-#: ... and a request of a positive priority (a batch class) this many, counting itself, only
-#: where its prompt fits now (:func:`fits_now`): measured, with four, an interactive request
-#: admitted at once still waited up to 2.4 s (TTFT p99) behind batch prompts in vLLM's queue
-LOWER_PRIMED = 1
 
 
-def fits_now(
-    ledger: Ledger,
-    candidate: Reservation,
-    pool: PoolState,
-    budget: int,
-    primed: int = PRIMED_SEQUENCES,
-) -> bool:
+def fits_now(ledger: Ledger, candidate: Reservation, pool: PoolState, budget: int) -> bool:
     """vLLM's own admission: the candidate's prompt fits beside what the pool holds now
     (:func:`held_now_blocks`), or few requests the sidecar admitted wait for vLLM to start them
-    (``primed`` sequences, :data:`PRIMED_SEQUENCES` by default: vLLM then starts it when its
-    prompt fits, by that same rule). No future is laid out: adaptive mode admits so a request
-    whose batch gain pays even for a certain recompute (``sidecar.admission.ends``), as vLLM
-    admits every request.
-
-    A request of a lower priority (``primed`` below the default, :data:`LOWER_PRIMED`) is
-    never left waiting in vLLM's queue, where a better one sent after it would wait behind it
-    (vLLM's first-come scheduler stops at a waiting request whose prompt does not fit, and
-    runs prefills in arrival order): it goes only where its prompt fits now and at most
-    ``primed`` sequences the sidecar admitted have not started."""
-    waiting = ledger.unstarted_sequences + candidate.projection.sequences
-    if primed < PRIMED_SEQUENCES:
-        return (
-            waiting <= primed
-            and held_now_blocks(ledger, pool) + candidate.projection.prompt_blocks <= budget
-        )
-    if waiting <= primed:
+    (:data:`PRIMED_SEQUENCES`: vLLM then starts it when its prompt fits, by that same rule). No
+    future is laid out: adaptive mode admits so a request whose batch gain pays even for a
+    certain recompute (``sidecar.admission.ends``), as vLLM admits every request."""
+    if ledger.unstarted_sequences + candidate.projection.sequences <= PRIMED_SEQUENCES:
         return True
     return held_now_blocks(ledger, pool) + candidate.projection.prompt_blocks <= budget
 
