@@ -13,13 +13,12 @@ import pytest
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.fit import SPREAD_MIN_SEQUENCES
-from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import project_counts
 from sidecar.kv.spread import SpreadRows, spread_peak
 from sidecar.kv.trajectory import Trajectory, future_peak
-from tests.support.snapshots import Clock, teach_costs
+from tests.support.snapshots import Clock, snapshot, teach_costs
 
 BLOCKS = UniformBlocks(16)
 Draw = Callable[[np.random.Generator, int], np.ndarray]
@@ -147,23 +146,6 @@ def test_a_sequence_past_every_learned_answer_ends_at_its_reserved_end() -> None
 # --- adaptive mode's second opinion in the controller -------------------------------------
 
 
-def _snapshot(clock: Clock, blocks: int) -> EngineSnapshot:
-    return EngineSnapshot(
-        taken_at=clock(),
-        block_size=16,
-        num_gpu_blocks=blocks,
-        engines=1,
-        kv_cache_usage=0.0,
-        running=0,
-        preemptions_total=0,
-        generation_tokens_total=0,
-        cache_dtype="auto",
-        prefix_caching=True,
-        kv_cache_memory_bytes=None,
-        has_cache_config=True,
-    )
-
-
 def _burst(ac: AdmissionController, prompts: list[int], klass: str) -> int:
     admitted = 0
     for p in prompts:
@@ -186,7 +168,7 @@ def _thrash_controller(clock: Clock, answers: list[int] | None) -> AdmissionCont
         headroom=0.0,
         reservation="adaptive",  # type: ignore[arg-type]
     )
-    base = _snapshot(clock, 10304)
+    base = snapshot(clock, blocks=10304, block_size=16)
     ac.on_snapshot(base)
     teach_costs(ac, clock, base, per_token=3e-4, running=64)
     for length in answers or ():

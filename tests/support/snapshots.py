@@ -37,11 +37,12 @@ def snapshot(
     preemptions: float = 0,
     generated: float = 0,
     running: int = 0,
+    block_size: int = 128,
 ) -> EngineSnapshot:
     capacity = blocks - 1
     return EngineSnapshot(
         taken_at=clock(),
-        block_size=128,
+        block_size=block_size,
         num_gpu_blocks=blocks,
         engines=1,
         kv_cache_usage=used / capacity,
