@@ -319,10 +319,14 @@ class AdmissionController:
             reverse=True,
         )
 
-    def _place(self, ask: Ask) -> tuple[Pool, Reservation, list[tuple[Pool, Reservation]]] | None:
+    def _place(
+        self, ask: Ask, stale: bool | None = None
+    ) -> tuple[Pool, Reservation, list[tuple[Pool, Reservation]]] | None:
         """The pool (and candidate) the request fits in now, with its shadows (an unpinnable
-        request on several engines must fit in every pool); None when it fits nowhere."""
-        stale = self.is_stale()
+        request on several engines must fit in every pool); None when it fits nowhere
+        (``stale``: :meth:`is_stale`, where the caller has it)."""
+        if stale is None:
+            stale = self.is_stale()
         self._held_by_latency = False
         if self.tenants.capped(ask.tenant):
             return None  # its tenant holds --tenant-max-share of the budget: others go first
@@ -415,8 +419,11 @@ class AdmissionController:
         projection = ask.projection
         # too large only where vLLM could not run it either: over the pool, not the budget (one
         # between them runs alone, fit.fits)
-        capacities = [p.view.capacity_blocks for p in self._open(ask)]
-        capacity = None if None in capacities else max(c for c in capacities if c is not None)
+        if len(self.pools) == 1:
+            capacity = self.pools[0].view.capacity_blocks
+        else:
+            capacities = [p.view.capacity_blocks for p in self._open(ask)]
+            capacity = None if None in capacities else max(c for c in capacities if c is not None)
         if capacity is not None and projection.exact and projection.peak_blocks > capacity:
             return Decision(
                 Outcome.REJECT,
@@ -430,7 +437,7 @@ class AdmissionController:
                 ),
             )
         ahead = self._queue.has_ahead(ask)
-        if not ahead and (placed := self._place(ask)) is not None:
+        if not ahead and (placed := self._place(ask, stale)) is not None:
             reason = Reason.STALE_OPEN if stale else Reason.FITS
             return Decision(Outcome.ADMIT, reason, reservation=self._admit(ask, *placed))
         if self.policy is Policy.reject:

@@ -33,6 +33,9 @@ class EngineView:
         self.costs = EngineCosts()  # the engine's step and recompute costs
         #: the ledger's ``freed_total`` when the snapshot was taken (:meth:`used_now_blocks`)
         self.freed_at_snapshot = 0
+        #: the snapshot whose ``used_blocks`` is kept below (read on every decision)
+        self._used_of: EngineSnapshot | None = None
+        self._used_blocks: int | None = None
 
     def update(self, snap: EngineSnapshot) -> float:
         """Take a new snapshot; returns the preemptions vLLM made since the last one."""
@@ -66,9 +69,14 @@ class EngineView:
         them (measured on the CPU engine: up to a scrape interval after every release, with
         the ledger's own projection far below). None: not reported."""
         snap = self.snapshot
-        if snap is None or snap.used_blocks is None:
+        if snap is None:
             return None
-        return max(0, snap.used_blocks - (self.ledger.freed_total - self.freed_at_snapshot))
+        if snap is not self._used_of:
+            self._used_of, self._used_blocks = snap, snap.used_blocks
+        used = self._used_blocks
+        if used is None:
+            return None
+        return max(0, used - (self.ledger.freed_total - self.freed_at_snapshot))
 
     def _hidden_progress(self, prev: EngineSnapshot, snap: EngineSnapshot) -> None:
         """Advance running non-streamed requests by their share of vLLM's generated tokens (they

@@ -112,6 +112,8 @@ class RetryPlanner:
     def admitted(self, key: int | None = None) -> None:
         """A request was admitted: its own booking (``key``), else the earliest booking whose
         slot has come, is used up."""
+        if not self._bookings:
+            return
         if key is not None and self._forget(key):
             return
         now = self._clock()

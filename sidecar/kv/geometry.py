@@ -635,4 +635,5 @@ class UniformBlocks:
         return (None,)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size) if num_tokens > 0 else 0
+        # ceil, inlined (called several times per admission decision)
+        return -(-num_tokens // self.block_size) if num_tokens > 0 else 0

@@ -76,6 +76,9 @@ class Reservation:
     #: per kept bound (``sidecar.kv.rows.Bound``; worst case second): the build it last moved
     #: under and its laid-out progress at that build
     marks: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    #: its blocks with every sequence at its reserved end (``Ledger.candidate``'s sum; -1: not
+    #: known), what the kept bounds take for it while it has not run past an end
+    laid_out: int = -1
 
     @property
     def peak_blocks(self) -> int:
@@ -175,6 +178,7 @@ class Ledger:
         return Reservation(
             id=0,
             projection=projection,
+            laid_out=reserved,
             ends=reserved_ends,
             reserved_blocks=max(reserved, projection.prompt_blocks)
             if projection.exact
@@ -353,6 +357,8 @@ class Ledger:
 
     def _laid_out_blocks(self, res: Reservation, worst_case: bool) -> int:
         """The most blocks ``res`` is laid out to hold (at its ends)."""
+        if not worst_case and not res.overran and res.laid_out >= 0:
+            return res.laid_out  # short of every reserved end: its ends are the reserved ones
         p = res.projection
         return p.n * sum(
             self.blocks.blocks_for_tokens(prompt + (p.max_tokens[i] if worst_case else res.end(i)))

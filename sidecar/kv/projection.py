@@ -57,6 +57,9 @@ class Projection:
 
     def blocks_at(self, generated_per_sequence: int, blocks: BlockMath) -> int:
         """Blocks held when each sequence has generated ``generated_per_sequence`` tokens."""
+        if len(self.prompt_tokens) == 1:  # the common case, once per token of every stream
+            grown = min(generated_per_sequence, self.max_tokens[0])
+            return self.n * blocks.blocks_for_tokens(self.prompt_tokens[0] + grown)
         return self.n * sum(
             blocks.blocks_for_tokens(p + min(generated_per_sequence, m))
             for p, m in zip(self.prompt_tokens, self.max_tokens, strict=True)

@@ -130,13 +130,16 @@ class Rows:
         """``res`` started or advanced: its rows' progress, started flag and reserved end.
         Returns whether a reserved end moved."""
         done = int(res.generated)
+        started = res.started
         moved = False
         for i, r in enumerate(res.rows):
             self.done[r] = done
             end = res.end(i)
-            moved |= bool(self.end[r] != end)
-            self.end[r] = end
-            self.started[r] = res.started
+            if self.end[r] != end:
+                moved = True
+                self.end[r] = end
+            if self.started[r] != started:
+                self.started[r] = started
         return moved
 
     def remove(self, res: Reservation) -> None:
