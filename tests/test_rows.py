@@ -313,3 +313,50 @@ def test_a_decision_settled_by_the_bounds_rebuilds_nothing() -> None:
     assert least <= ledger.peak_with() <= most
     ledger.advance(running[0], 101)  # past its reserved end (100): the end moves, no bound
     assert ledger.peak_bounds()[0] == ledger.peak_bounds()[1] == ledger.peak_with()
+
+
+def _progress(res: Reservation) -> float:
+    return int(res.generated) / max(max(res.projection.max_tokens), 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(request, max_size=12),
+    st.integers(0, 40),
+    st.booleans(),
+)
+def test_the_most_advanced_and_the_oldest_unstarted_are_read_off_the_columns(
+    specs: list[dict], sequences: int, one_prompt: bool
+) -> None:
+    """What the reconcile takes as finished (vLLM runs fewer sequences than the ledger started)
+    and as prefilling (it runs more): the started requests with the most of their max_tokens
+    generated, the most first, and the unstarted ones in admission order, each list long
+    enough to hold ``sequences`` sequences; the columns' answer (one prompt per request) and
+    the fallback's (several) alike."""
+    ledger = Ledger(UniformBlocks(16))
+    for spec in specs:
+        if one_prompt:
+            spec = {**spec, "prompts": spec["prompts"][:1]}
+        res = _reserve(ledger, spec, 16)
+        if spec["state"] != "queued":
+            ledger.start(res)
+            ledger.advance(res, int(spec["generated"]))
+        if spec["state"] == "released":
+            ledger.release(res)
+    started = [r for r in ledger if r.started]
+    ranked = ledger.most_advanced(sequences)
+    assert len({id(r) for r in ranked}) == len(ranked)
+    assert all(r.started and not r.released for r in ranked)
+    keys = [_progress(r) for r in ranked]
+    assert keys == sorted(keys, reverse=True)
+    # no started request left out is ahead of one taken
+    left = [r for r in started if all(r is not t for t in ranked)]
+    assert not left or not ranked or max(map(_progress, left)) <= keys[-1]
+    held = sum(r.projection.sequences for r in ranked)
+    assert held >= min(sequences, sum(r.projection.sequences for r in started))
+
+    unstarted = [r for r in ledger if not r.started]
+    oldest = ledger.oldest_unstarted(sequences)
+    assert oldest == unstarted[: len(oldest)]
+    held = sum(r.projection.sequences for r in oldest)
+    assert held >= min(sequences, sum(r.projection.sequences for r in unstarted))

@@ -9,8 +9,6 @@ Retry-After).
 
 from __future__ import annotations
 
-import heapq
-
 from sidecar.admission.costs import EngineCosts
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.ledger import Ledger
@@ -152,22 +150,14 @@ class EngineView:
         if running < ours:
             surplus = ours - running
             # each request has a sequence at least: the surplus most advanced cover it
-            by_progress = heapq.nlargest(
-                surplus,
-                (r for r in ledger if r.started),
-                key=lambda r: r.generated / max(max(r.projection.max_tokens), 1),
-            )
-            for res in by_progress:
+            for res in ledger.most_advanced(surplus):
                 if surplus <= 0:
                     break
                 predicted -= res.predicted_blocks
                 surplus -= res.projection.sequences
         elif running > ours:
             shortfall = running - ours
-            oldest = heapq.nsmallest(
-                shortfall, (r for r in ledger if not r.started), key=lambda r: r.admitted_at
-            )
-            for res in oldest:
+            for res in ledger.oldest_unstarted(shortfall):
                 if shortfall <= 0:
                     break
                 predicted += res.projection.prompt_blocks

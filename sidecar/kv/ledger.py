@@ -26,11 +26,13 @@ sequence that lives longest; admission checks the peak over the future of their 
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -523,6 +525,42 @@ class Ledger:
                 if seen is None or left > seen[0]:
                     owners[h] = (left, k)
         return owners
+
+    def most_advanced(self, sequences: int) -> list[Reservation]:
+        """The started requests in flight that have generated the most of their longest
+        ``max_tokens``, the most first, at least enough of them to hold ``sequences`` sequences
+        where there are so many."""
+        ranked = self._rows.most_advanced(sequences)
+        if ranked is not None:
+            return cast(list[Reservation], ranked)  # the rows' owners are ours
+        return heapq.nlargest(
+            sequences,
+            (r for r in self._active.values() if r.started),
+            key=lambda r: r.generated / max(max(r.projection.max_tokens), 1),
+        )
+
+    def oldest_unstarted(self, sequences: int) -> list[Reservation]:
+        """The requests admitted but not started, the oldest first, at least enough of them to
+        hold ``sequences`` sequences where there are so many. They are the newest in the
+        ledger, so it is read from its end (admission order is ``admitted_at`` order)."""
+        if sequences <= 0 or self.unstarted_sequences <= 0:
+            return []
+        tail: list[Reservation] = []
+        left = self.unstarted_sequences
+        for res in reversed(self._active.values()):
+            if not res.started:
+                tail.append(res)
+                left -= res.projection.sequences
+                if left <= 0:
+                    break
+        tail.reverse()
+        taken, out = 0, []
+        for res in tail:
+            if taken >= sequences:
+                break
+            out.append(res)
+            taken += res.projection.sequences
+        return out
 
     def shared_blocks_now(self) -> int:
         """Prompt blocks of running requests that vLLM holds once for several of them."""
