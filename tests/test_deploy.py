@@ -24,7 +24,7 @@ import time
 import tomllib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import kubernetes_validate
@@ -925,3 +925,21 @@ def test_the_haproxy_overlay_serves_the_agent_the_shipped_config_asks(
     assert service["spec"]["publishNotReadyAddresses"] is True  # the agent says who serves
     (port,) = [p for p in service["spec"]["ports"] if p["name"] == srv[1]]
     assert container_port(sidecar, port["targetPort"]) == settings.port
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_the_learned_lengths_outlive_a_sidecar_restart(kustomization: str) -> None:
+    """--lengths-file points into a mounted emptyDir (writable under the read-only root, kept
+    across the container's restarts), and the sidecar's user may write it."""
+    for deployment in sidecar_deployments(kustomization):
+        c = container(deployment, SIDECAR)
+        args = c.get("command", []) + c.get("args", [])
+        flags = [a.split("=", 1)[1] for a in args if a.startswith("--lengths-file=")]
+        assert len(flags) == 1, args
+        path = PurePosixPath(flags[0])
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        mounts = [m for m in c["volumeMounts"] if path.is_relative_to(m["mountPath"])]
+        assert len(mounts) == 1, c["volumeMounts"]
+        assert not mounts[0].get("readOnly", False)
+        assert "emptyDir" in volumes[mounts[0]["name"]]
+        assert mounts[0]["mountPath"] != "/tmp"  # its own volume: /tmp's fills with other files
