@@ -23,9 +23,11 @@ from bench.simgpu.workload import (
     EXTRA_CONFIGS,
     LONG_QUEUE_WAIT,
     MAX_MODEL_LEN,
+    PRIORITY_CONFIGS,
     WORKLOADS,
     SimWorkload,
     build,
+    server_flags,
 )
 from harness.bench_util import (
     RESULTS,
@@ -59,7 +61,8 @@ def parser() -> argparse.ArgumentParser:
         "--configs",
         default=",".join(CONFIGS),
         help=f"of {', '.join(CONFIGS)} (default: all three); side experiments: "
-        f"{', '.join(EXTRA_CONFIGS)} (--max-queue-wait {LONG_QUEUE_WAIT:g})",
+        f"{', '.join(EXTRA_CONFIGS)} (--max-queue-wait {LONG_QUEUE_WAIT:g}); for the priority "
+        f"workload: {', '.join(PRIORITY_CONFIGS)}",
     )
     p.add_argument(
         "--repeat", type=int, default=None, help="runs of each configuration (3; --quick: 1)"
@@ -140,14 +143,37 @@ def run_part(
         "runs": {},
     }
     raw["parts"][key] = part
+    # configurations that need other vLLM flags (server_flags) run on a server of their own,
+    # after the others
+    flavours: dict[tuple[str, ...], list[str]] = {}
+    for config in configs:
+        flavours.setdefault(tuple(server_flags(config)), []).append(config)
+    for flags, group in flavours.items():
+        _run_group(engine_name, wl, group, list(flags), repeat, raw, part)
+
+
+def _run_group(
+    engine_name: str,
+    wl: SimWorkload,
+    configs: list[str],
+    flags: list[str],
+    repeat: int,
+    raw: dict[str, Any],
+    part: dict[str, Any],
+) -> None:
+    engine = ENGINES[engine_name]
+    key = f"{engine_name}:{wl.name}"
     sim = SimServer(
         model=engine.model,
         gpu=engine.gpu,
         max_model_len=MAX_MODEL_LEN,
-        extra_args=engine.args(wl.num_gpu_blocks, wl.time_scale),
+        extra_args=engine.args(wl.num_gpu_blocks, wl.time_scale) + flags,
     )
-    part["server_args"] = sim.command()[3:]
-    progress(f"simgpu: starting the simulated {engine.title} for {wl.name}")
+    if flags:
+        part.setdefault("other_server_args", {})[" ".join(flags)] = sim.command()[3:]
+    else:
+        part["server_args"] = sim.command()[3:]
+    progress(f"simgpu: starting the simulated {engine.title} for {wl.name} {' '.join(flags)}")
     with sim:
         labels = cache_config_labels(httpx.get(sim.url + "/metrics", timeout=10).text)
         part["num_gpu_blocks"] = int(labels["num_gpu_blocks"])
@@ -187,8 +213,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = cli.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
-        if c not in CONFIGS + EXTRA_CONFIGS:
-            cli.error(f"unknown configuration {c}; one of {', '.join(CONFIGS + EXTRA_CONFIGS)}")
+        if c not in CONFIGS + EXTRA_CONFIGS + PRIORITY_CONFIGS:
+            known = CONFIGS + EXTRA_CONFIGS + PRIORITY_CONFIGS
+            cli.error(f"unknown configuration {c}; one of {', '.join(known)}")
     name = "simgpu" + ("-quick" if args.quick else "") + args.suffix
     if args.report_only:
         return finish(json.loads((RESULTS / f"{name}-raw.json").read_text()), args)
@@ -244,7 +271,7 @@ def finish(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     for part in raw["parts"].values():
         runs = {
             c: sorted(part["runs"][c], key=lambda r: r.get("repetition", 0))
-            for c in CONFIGS + EXTRA_CONFIGS
+            for c in CONFIGS + EXTRA_CONFIGS + PRIORITY_CONFIGS
             if part["runs"].get(c)
         }
         if not runs:

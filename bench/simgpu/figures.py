@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from bench.admission.client import Outcome
-from bench.admission.figures import aggregate
+from bench.admission.figures import aggregate, class_figures
 from bench.admission.figures import figures as admission_figures
 from harness.stats import percentile
 
@@ -76,7 +76,25 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
         "pred_err_mean_abs_per_running": base["pred_err_mean_abs_per_running"],
         "reserved_minus_used_mean_blocks": base["reserved_minus_used_mean_blocks"],
         "load_before": (run.get("load_average_before") or [None])[0],
+        **_classes(run, scale),
     }
+
+
+def _classes(run: dict[str, Any], scale: float) -> dict[str, Any]:
+    """The priority workload's per-class figures (``bench.admission.figures.class_figures``),
+    in simulated seconds; nothing for the other workloads."""
+    if run.get("workload") != "priority":
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in class_figures(run).items():
+        if not key.startswith(("interactive_", "batch_")) or value is None:
+            continue
+        if key.endswith(("_ttft_p50", "_ttft_p99", "_e2e_p50", "_e2e_p99")):
+            value = value / scale
+        elif key.endswith("_goodput_tps"):
+            value = value * scale
+        out[key] = value
+    return out
 
 
 def _finite(value: float | None) -> float | None:

@@ -89,10 +89,48 @@ def _part(part: dict[str, Any]) -> list[str]:
         table(HEADER, _rows(part["figures"])),
         "",
     ]
+    if part["workload"] == "priority":
+        lines += [table(CLASS_HEADER, _class_rows(part["figures"])), ""]
     reserved = _reserved(part)
     if reserved:
         lines += [reserved, ""]
     return lines
+
+
+CLASS_HEADER = [
+    "configuration",
+    "interactive TTFT p50 s",
+    "interactive TTFT p99 s",
+    "/ alone",
+    "interactive E2E p99 s",
+    "batch goodput tok/s",
+    "batch E2E p99 s",
+]
+
+
+def _class_rows(figs: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """The priority workload's classes: the interactive stream's TTFT against its TTFT alone
+    (``sidecar-alone``: the median of the per-repetition ratios to its median), the batch's."""
+    alone = (figs.get("sidecar-alone") or {}).get("interactive_ttft_p99")
+    rows = []
+    for name, f in figs.items():
+        each = [r.get("interactive_ttft_p99") for r in f.get("each", [f])]
+        ratios = sorted(v / alone for v in each if v is not None and alone)
+        ratio = ratios[len(ratios) // 2] if len(ratios) % 2 else None
+        if ratios and ratio is None:
+            ratio = (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+        rows.append(
+            [
+                f"`{name}`",
+                cell(f, "interactive_ttft_p50", 2),
+                cell(f, "interactive_ttft_p99", 2),
+                fmt(ratio, 1) if name != "sidecar-alone" else "1",
+                cell(f, "interactive_e2e_p99", 1),
+                cell(f, "batch_goodput_tps", 0),
+                cell(f, "batch_e2e_p99", 1),
+            ]
+        )
+    return rows
 
 
 def _reserved(part: dict[str, Any]) -> str:

@@ -15,8 +15,15 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.admission.client import Outcome, Tracker, drive, sample
+from bench.admission.workload import priority_variant
 from bench.common import reset_prefix_cache, wait_idle, wait_tokenizer
-from bench.simgpu.workload import LONG_QUEUE_WAIT, SIDECAR_TIMES, SimWorkload, dilated
+from bench.simgpu.workload import (
+    LONG_QUEUE_WAIT,
+    PRIORITY_SIDECARS,
+    SIDECAR_TIMES,
+    SimWorkload,
+    dilated,
+)
 from harness.bench_util import progress
 from harness.sim_server import SimServer
 from harness.workload import SidecarProcess, vllm_preemptions
@@ -29,6 +36,9 @@ def sidecar_args(config: str, time_scale: float, lengths_file: Path | None = Non
     to the next: a pod restarted into what it had learned); the time-valued defaults stretched
     by the time scale; the info log that says the tokenizer is loaded."""
     args: list[str] = []
+    if config in PRIORITY_SIDECARS:  # the priority workload's: the default and its flags
+        args += PRIORITY_SIDECARS[config]
+        config = "sidecar-adaptive"
     reservation = config.removeprefix("sidecar-")
     if reservation.endswith("-warm"):
         reservation = reservation.removesuffix("-warm")
@@ -84,6 +94,8 @@ def run_config(config: str, wl: SimWorkload, sim: SimServer) -> dict[str, Any]:
         wait_tokenizer(sidecar)
     url = sidecar.url if sidecar is not None else sim.url
     workload = dilated(wl.workload, scale)
+    if wl.name == "priority":  # what the configuration sends (the stream alone, no tenants...)
+        workload = priority_variant(config, workload)
     total = len(workload.requests)
     last = [time.monotonic()]
 

@@ -16,7 +16,15 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bench.admission.workload import Request, Workload
+from bench.admission.workload import (
+    BATCH_PRIORITY,
+    BATCH_TENANT,
+    INTERACTIVE_TENANT,
+    PRIORITY_RULES,
+    TENANT_HEADER,
+    Request,
+    Workload,
+)
 from harness.tiny_model import WORDS
 
 #: vLLM's KV pool keeps one null block out of use
@@ -38,7 +46,39 @@ EXTRA_CONFIGS = [
     "sidecar-adaptive-warm",
 ]
 LONG_QUEUE_WAIT = 600.0
-WORKLOADS = ["chat", "burst", "thrash", "poisson"]
+#: the priority workload's configurations (issue 23, on this engine): the interactive stream
+#: alone through the default sidecar, vLLM alone (first come, first served), the default
+#: sidecar with one tenant (its plain FIFO queue) and with the classes (the batch tenant at
+#: priority BATCH_PRIORITY under --priority-rules);
+#: priority (lower first) under --priority-rules; and on a vLLM of their own started with
+#: --scheduling-policy priority, vLLM alone with each request's priority in its body
+#: (``vllm-priority``) and the classes forwarded to it (``sidecar-classes-vllm-priority``)
+PRIORITY_CONFIGS = [
+    "sidecar-alone",
+    "direct",
+    "sidecar-one-tenant",
+    "sidecar-classes",
+    "vllm-priority",
+    "sidecar-classes-vllm-priority",
+]
+#: each priority configuration's sidecar flags besides the defaults
+PRIORITY_SIDECARS: dict[str, list[str]] = {
+    "sidecar-alone": [],
+    "sidecar-one-tenant": [],
+    "sidecar-classes": ["--priority-rules", PRIORITY_RULES],
+    "sidecar-classes-vllm-priority": ["--priority-rules", PRIORITY_RULES, "--forward-priority"],
+}
+#: vLLM's flags for the configurations that run on a vLLM of their own (by suffix)
+VLLM_PRIORITY_ARGS = ["--scheduling-policy", "priority"]
+
+
+def server_flags(config: str) -> list[str]:
+    """The vLLM flags ``config`` needs beyond the engine's (configurations that need the same
+    flags share a server)."""
+    return list(VLLM_PRIORITY_ARGS) if config.endswith("vllm-priority") else []
+
+
+WORKLOADS = ["chat", "burst", "thrash", "poisson", "priority"]
 #: the sidecar's time-valued defaults (seconds), multiplied by the engine's time scale so that
 #: they mean the same span of simulated time (its 0.5 s scrape is 0.5 simulated seconds)
 SIDECAR_TIMES = {"--scrape-interval": 0.5, "--metrics-stale-after": 5.0, "--max-queue-wait": 300.0}
@@ -214,6 +254,68 @@ def poisson_workload(count: int, rate: float, seed: int = 404) -> Workload:
     )
 
 
+#: the priority workload's interactive stream lasts this long (simulated seconds): about as long
+#: as the batch burst takes on the 8B's pinned pool
+PRIORITY_STREAM_S = 40.0
+#: ... and its pool: a quarter of the batch burst at its peak (the batch queues deep, in the
+#: sidecar or in vLLM)
+PRIORITY_POOL_BLOCKS = 8000
+
+
+def priority_workload(count: int, rate: float, seed: int = 505) -> Workload:
+    """Issue 23's workload on this engine: a batch tenant's burst with an interactive tenant's
+    Poisson stream beside it (bench.admission's ``priority``, at GPU sizes)."""
+    rng, p = random.Random(seed), Prompts(seed + 1)
+    reqs = []
+    for _ in range(count):
+        prompt, answer = rng.randint(1000, 2000), rng.randint(512, 1024)
+        body = {"prompt": p.text(prompt), "max_tokens": answer, "ignore_eos": True}
+        reqs.append(
+            Request(
+                0.0,
+                "/v1/completions",
+                body,
+                kind="batch",
+                stream=False,
+                headers={TENANT_HEADER: BATCH_TENANT},
+                priority=BATCH_PRIORITY,
+            )
+        )
+    t = rng.expovariate(rate)
+    while t < PRIORITY_STREAM_S:
+        prompt, answer = rng.randint(200, 800), rng.randint(64, 256)
+        body = {
+            "messages": [{"role": "user", "content": p.text(prompt)}],
+            "max_tokens": 512,
+            **_xargs(answer),
+        }
+        reqs.append(
+            Request(
+                t,
+                "/v1/chat/completions",
+                body,
+                output_tokens=answer,
+                kind="interactive",
+                headers={TENANT_HEADER: INTERACTIVE_TENANT},
+                priority=0,
+            )
+        )
+        t += rng.expovariate(rate)
+    chats = len(reqs) - count
+    return Workload(
+        "priority",
+        "A batch tenant's burst beside an interactive tenant's stream",
+        f"{count} completions of tenant `{BATCH_TENANT}` sent at once (1,000-2,000 prompt "
+        "tokens, max_tokens 512-1,024 with `ignore_eos`: every answer runs to it; not "
+        f"streamed) on a pool pinned to {PRIORITY_POOL_BLOCKS:,} blocks, and beside them "
+        f"{chats} chats of tenant `{INTERACTIVE_TENANT}` arriving as a Poisson process at "
+        f"{rate:g}/s over {PRIORITY_STREAM_S:g} simulated seconds (a 200-800-token message, "
+        "an answer of 64-256 tokens at EOS under max_tokens 512, streamed); every request "
+        f"names its tenant in `{TENANT_HEADER}`.",
+        reqs,
+    )
+
+
 def prompt_tokens(req: Request) -> int:
     """The request's prompt tokens as built (one per word plus the head; a chat's template
     adds a few more)."""
@@ -237,13 +339,25 @@ def thrash_pool(workload: Workload) -> int:
 
 #: (count, rate) per workload: the full run, and --quick
 SIZES: dict[str, dict[str, tuple[int, float]]] = {
-    "full": {"chat": (150, 60.0), "burst": (256, 0.0), "thrash": (64, 0.0), "poisson": (160, 20.0)},
-    "quick": {"chat": (48, 30.0), "burst": (48, 0.0), "thrash": (24, 0.0), "poisson": (48, 20.0)},
+    "full": {
+        "chat": (150, 60.0),
+        "burst": (256, 0.0),
+        "thrash": (64, 0.0),
+        "poisson": (160, 20.0),
+        "priority": (200, 2.0),
+    },
+    "quick": {
+        "chat": (48, 30.0),
+        "burst": (48, 0.0),
+        "thrash": (24, 0.0),
+        "poisson": (48, 20.0),
+        "priority": (40, 2.0),
+    },
 }
 #: --quick's thrash answers: a smoke run of the same shape in a few seconds of simulated time
 QUICK_THRASH_ANSWERS = (300, 500)
 #: the time scale each workload runs at: streamed workloads need more CPU per step
-TIME_SCALES = {"chat": 2.0, "burst": 1.0, "thrash": 1.0, "poisson": 2.0}
+TIME_SCALES = {"chat": 2.0, "burst": 1.0, "thrash": 1.0, "poisson": 2.0, "priority": 2.0}
 
 
 def build(name: str, quick: bool, scale: float | None = None) -> SimWorkload:
@@ -260,4 +374,8 @@ def build(name: str, quick: bool, scale: float | None = None) -> SimWorkload:
         pool = thrash_pool(wl)
         facts = {"peak_blocks": peak_blocks(wl), "pool_blocks": pool}
         return SimWorkload(wl, time_scale, num_gpu_blocks=pool, facts=facts)
+    if name == "priority":
+        wl = priority_workload(count, rate)
+        pool = PRIORITY_POOL_BLOCKS + NULL_BLOCKS
+        return SimWorkload(wl, time_scale, num_gpu_blocks=pool, facts={"pool_blocks": pool})
     raise KeyError(name)
