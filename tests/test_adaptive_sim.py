@@ -25,7 +25,7 @@ from harness.sim_server import SimServer
 from harness.workload import SidecarProcess
 from sidecar.admission.learner import LengthLearner
 from sidecar.engine.snapshot import parse_vllm_metrics
-from tests.support.sim import wait_idle
+from tests.support.sim import sim_8b, wait_idle
 from tests.support.wait import until
 
 pytestmark = pytest.mark.vllm
@@ -38,17 +38,8 @@ QUESTION = "tell me about the cache " * 12
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimServer]:
-    server = SimServer(
-        model="llama-3.1-8b-instruct",
-        gpu="h100-80gb",
-        max_model_len=MAX_MODEL_LEN,
-        extra_args=["--num-gpu-blocks-override", str(BLOCKS)],
-    )
-    server.start()
-    try:
+    with sim_8b(MAX_MODEL_LEN, BLOCKS) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def sidecar(sim: SimServer, reservation: str, *extra: str) -> SidecarProcess:

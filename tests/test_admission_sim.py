@@ -22,7 +22,6 @@ worst-case mode (tests/conftest.py).
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -34,8 +33,15 @@ from harness.sim_server import SimServer
 from harness.workload import SidecarProcess, make_prompts
 from tests.support.autoscalers import keda_desired, rendered
 from tests.support.prometheus_server import PrometheusServer, ScrapeJob
-from tests.support.sim import cache_config, metrics, wait_idle
-from tests.support.stepped import Clients, Stepper, admitted, held, streamed
+from tests.support.sim import cache_config, metrics, sim_8b, wait_idle
+from tests.support.stepped import (
+    Clients,
+    Stepper,
+    admitted,
+    assert_predicted_at_every_step,
+    held,
+    streamed,
+)
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.vllm
@@ -52,17 +58,8 @@ WITHIN = 30.0
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimServer]:
-    server = SimServer(
-        model="llama-3.1-8b-instruct",
-        gpu="h100-80gb",
-        max_model_len=MAX_MODEL_LEN,
-        extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--enable-prefix-caching"],
-    )
-    server.start()
-    try:
+    with sim_8b(MAX_MODEL_LEN, BLOCKS, "--enable-prefix-caching") as server:
         yield server
-    finally:
-        server.stop()
 
 
 # --- vLLM's side ----------------------------------------------------------------------------
@@ -173,25 +170,6 @@ def test_a_shared_prefix_is_counted_once_and_predicted_at_every_step(
     assert all(s["reserved_blocks"] - s["future_peak_blocks"] >= 5 * shared for s in running), [
         (s["reserved_blocks"], s["future_peak_blocks"], s["shared_blocks"]) for s in running
     ]
-
-
-def assert_predicted_at_every_step(samples: list[dict[str, Any]]) -> None:
-    """At every step the sidecar read vLLM's usage as vLLM reported it, and its ledger at that
-    scrape predicted it to within a block per request in flight, never below it (the ledger
-    counts the token just sampled, whose KV vLLM writes at the next step: a block more when that
-    token opens one), and exactly at most steps."""
-    assert samples
-    assert [s["actual_blocks"] for s in samples] == [s["vllm_blocks"] for s in samples]
-    errors = [s["predicted_at_snapshot_blocks"] - s["actual_blocks"] for s in samples]
-    table = [
-        (s["in_flight_at_snapshot"], s["predicted_at_snapshot_blocks"], s["actual_blocks"])
-        for s in samples
-    ]
-    assert all(
-        0 <= e <= s["in_flight_at_snapshot"] for e, s in zip(errors, samples, strict=True)
-    ), table
-    assert statistics.median(errors) == 0, table
-    assert any(s["actual_blocks"] != samples[0]["actual_blocks"] for s in samples), table
 
 
 def test_non_streamed_answers_are_predicted_at_every_step(sim: SimServer, block: int) -> None:

@@ -28,7 +28,7 @@ import pytest
 
 from harness.sim_server import SimServer
 from harness.workload import SidecarProcess, make_prompts
-from tests.support.sim import cache_config, metrics
+from tests.support.sim import cache_config, metrics, sim_8b
 from tests.support.stepped import Clients, Stepper, admitted, held, streamed
 from tests.support.wait import wait_for
 
@@ -42,17 +42,8 @@ WITHIN = 30.0
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimServer]:
-    server = SimServer(
-        model="llama-3.1-8b-instruct",
-        gpu="h100-80gb",
-        max_model_len=MAX_MODEL_LEN,
-        extra_args=["--num-gpu-blocks-override", str(BLOCKS)],
-    )
-    server.start()
-    try:
+    with sim_8b(MAX_MODEL_LEN, BLOCKS) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def body(sim: SimServer, prompt: str, max_tokens: int) -> dict[str, Any]:

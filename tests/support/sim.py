@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.exposition import cache_config_labels
 from harness.sim_server import SimServer
 from tests.support.wait import wait_for
+
+
+@contextmanager
+def sim_8b(max_model_len: int, blocks: int, *extra_args: str) -> Iterator[SimServer]:
+    """The simulated Llama-3.1-8B on one H100 the step-driven tests run against, its pool pinned
+    to ``blocks`` (``--num-gpu-blocks-override``), started and stopped."""
+    server = SimServer(
+        model="llama-3.1-8b-instruct",
+        gpu="h100-80gb",
+        max_model_len=max_model_len,
+        extra_args=["--num-gpu-blocks-override", str(blocks), *extra_args],
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def metrics(sim: SimServer) -> dict[str, float]:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -268,3 +269,22 @@ def frozen_engine(vllm: VllmInfo) -> Iterator[None]:
         yield
     finally:
         os.killpg(proc.pid, signal.SIGCONT)
+
+
+def assert_predicted_at_every_step(samples: list[dict[str, Any]]) -> None:
+    """At every step the sidecar read vLLM's usage as vLLM reported it, and its ledger at that
+    scrape predicted it to within a block per request in flight, never below it (the ledger
+    counts the token just sampled, whose KV vLLM writes at the next step: a block more when that
+    token opens one), and exactly at most steps."""
+    assert samples
+    assert [s["actual_blocks"] for s in samples] == [s["vllm_blocks"] for s in samples]
+    errors = [s["predicted_at_snapshot_blocks"] - s["actual_blocks"] for s in samples]
+    table = [
+        (s["in_flight_at_snapshot"], s["predicted_at_snapshot_blocks"], s["actual_blocks"])
+        for s in samples
+    ]
+    assert all(
+        0 <= e <= s["in_flight_at_snapshot"] for e, s in zip(errors, samples, strict=True)
+    ), table
+    assert statistics.median(errors) == 0, table
+    assert any(s["actual_blocks"] != samples[0]["actual_blocks"] for s in samples), table
