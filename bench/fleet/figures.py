@@ -78,8 +78,8 @@ def retry_after_seconds(refusal: dict[str, Any]) -> float | None:
 def request_peak_blocks(run: dict[str, Any]) -> int:
     """A burst request's KV peak in blocks: its prompt and max_tokens (every answer runs to it,
     ``ignore_eos``), rounded up to whole blocks."""
-    prompt_tokens, max_tokens = run.get("size", [24, 271, 700])[1:3]
-    return int(math.ceil((prompt_tokens + max_tokens) / BLOCK_SIZE))
+    size: list[int] = run.get("size", [24, 271, 700])
+    return math.ceil((size[1] + size[2]) / BLOCK_SIZE)
 
 
 def room(sample: dict[str, Any], replica: str, peak: int) -> bool | None:

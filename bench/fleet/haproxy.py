@@ -111,7 +111,19 @@ def parse_log(text: str) -> list[dict[str, str]]:
     (its status: HAProxy logs one per request), and HAProxy's own: ``retries`` (``%rc``; ``+``
     first when redispatched to another server), ``term`` (its termination state), ``Tw``
     (ms in its queue), ``Ta`` (ms in all), ``line`` (the line as logged). Lines that are not
-    request logs (start-up notices, agent state changes) are left out."""
+    request logs (start-up notices, agent state changes) are left out.
+
+    >>> line = ('127.0.0.1:51214 [04/Dec/2026:19:11:16.396] llm kv_sidecars/B1 '
+    ...         '0/0/1/170/24113 200 100986 - - ---- 10/10/9/1/0 0/0 {4} '
+    ...         '"POST /v1/completions HTTP/1.1"')
+    >>> [(x["id"], x["status"], x["upstream"], x["retries"]) for x in parse_log(line)]
+    [('4', '200', 'B1', '0')]
+    >>> retried = line.replace("B1", "A2").replace(" 200 ", " 429 ").replace("/0 0/0", "/+1 0/0")
+    >>> [(x["id"], x["status"], x["upstream"], x["retries"]) for x in parse_log(retried)]
+    [('4', '429', 'A2', '+1')]
+    >>> parse_log("[WARNING]  (1) : Server kv_sidecars/A1 is UP, reason: Layer7 check passed")
+    []
+    """
     out = []
     for line in text.splitlines():
         m = HTTPLOG.match(line.strip())
