@@ -208,7 +208,7 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
         f"`weight={WEIGHTS['A']}` (A) and `weight={WEIGHTS['B']}` (B), `max_fails=0`, keepalive, "
         "`proxy_buffering off`, `proxy_next_upstream error timeout http_429 http_503 "
         f"non_idempotent; proxy_next_upstream_tries {NGINX_TRIES}` (the same file for every "
-        "configuration; the exact file is in the raw JSON). Sidecars: defaults plus "
+        "nginx configuration; the exact file is in the raw JSON). Sidecars: defaults plus "
         "`--max-queue-wait 600 --max-queue-depth 1024` (`sidecar-spill-S`: `--policy spill "
         "--spill-wait S`), fresh for each run. The burst: "
         f"{count} streamed completions sent at once, {prompt_tokens}-token prompts, max_tokens "
