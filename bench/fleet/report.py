@@ -109,7 +109,8 @@ def _timeline(
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=7, ncols=3)
     fig.suptitle(
-        f"Two vLLM replicas behind nginx (weights A {WEIGHTS['A']} : B {WEIGHTS['B']}), "
+        f"Two vLLM replicas behind nginx or HAProxy (weights A {WEIGHTS['A']} : B "
+        f"{WEIGHTS['B']}), "
         f"{NUM_GPU_BLOCKS} blocks of {BLOCK_SIZE} tokens each"
     )
     timeline = RESULTS / f"fleet-timeline{suffix}.png"
@@ -179,7 +180,10 @@ def _summary(
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Two vLLM replicas behind nginx: the same skewed burst, each configuration")
+    fig.suptitle(
+        "Two vLLM replicas behind nginx (HAProxy for *-haproxy): the same skewed burst, "
+        "each configuration"
+    )
     summary = RESULTS / f"fleet-summary{suffix}.png"
     fig.savefig(summary, dpi=85)
     plt.close(fig)
