@@ -1,6 +1,6 @@
-"""Two vLLM replicas behind nginx: what the sidecars change for a fleet.
+"""Two vLLM replicas behind nginx (or HAProxy): what the sidecars change for a fleet.
 
-    python -m bench.fleet                # 3 interleaved repetitions (about 45 minutes)
+    python -m bench.fleet                # 3 interleaved repetitions (about an hour)
     python -m bench.fleet --quick        # small burst, 1 repetition (a smoke run)
     python -m bench.fleet --report-only  # figures, charts and report from fleet-raw.json
 
@@ -19,24 +19,34 @@ sent at once) goes through these configurations:
   its ``retry-after-ms`` / ``Retry-After`` (at most ``MAX_ATTEMPTS`` attempts);
 - ``sidecar-spill-S`` (S in ``SPILL_WAITS``: 2, 5 and 15): nginx to one sidecar per vLLM,
   ``--policy spill --spill-wait S``: a request whose expected wait there is at most S seconds
-  queues, a longer one is refused at once and nginx tries the other replica, as under reject.
+  queues, a longer one is refused at once and nginx tries the other replica, as under reject;
+- ``sidecar-queue-haproxy``: HAProxy instead of nginx (``bench/fleet/haproxy.py``), on
+  ``deploy/gateway/haproxy.cfg`` as shipped but for its bind address, stats socket, an
+  ``x-bench-id`` capture for its log and its servers (three of weight 100 for replica A, one for
+  B: 3:1 as nginx's), to one sidecar per vLLM with ``--policy queue`` and its agent on
+  (``--agent-port``): HAProxy asks each agent every second and sets the server's weight to the
+  share of the KV budget left free; it retries a 503 or a failed connection once, never a 429.
 
-The nginx configuration is the same in all of them (the retry directives only act on 429, 503 and
-errors). Figures per replica: vLLM's preemptions, requests served (nginx's access log: the
-upstream that answered 200), generated tokens (vLLM's counter), TTFT and end-to-end p50/p99 of
-the answers it served, vLLM's queue time and the sidecar's queue wait. Per configuration:
-goodput (completed output tokens per second from the burst to the last answer), TTFT and E2E
-p50/p99 over every answer of a repetition, the 429s the client saw, the 429s nginx absorbed by
-retrying the other replica, and every answer's wait before its first token (counted from the
-client's first attempt: queueing, refusals and sleeps included). Each configuration runs
-``--repeat`` times, interleaved in a rotating order; the report gives medians over repetitions
-and every repetition's value.
+The nginx configuration is the same in all the nginx ones (the retry directives only act on 429,
+503 and errors). Figures per replica: vLLM's preemptions, requests served (nginx's access log, or
+HAProxy's httplog: the upstream that answered 200), generated tokens (vLLM's counter), TTFT and
+end-to-end p50/p99 of the answers it served, vLLM's queue time and the sidecar's queue wait. Per
+configuration: goodput (completed output tokens per second from the burst to the last answer),
+TTFT and E2E p50/p99 over every answer of a repetition, the 429s the client saw, the 429s nginx
+absorbed by retrying the other replica, every answer's wait before its first token (counted from
+the client's first attempt: queueing, refusals and sleeps included), the 429s whose Retry-After
+was at the sidecar's cap (``MAX_RETRY_AFTER``) and of those the ones refused while the other
+replica's sidecar had room (its budget less committed blocks less its queue's peaks, in the
+nearest 0.5 s sample of /state, held the request's peak), and HAProxy's weights per replica
+(``show stat`` every 0.5 s). Each configuration runs ``--repeat`` times, interleaved in a
+rotating order; the report gives medians over repetitions and every repetition's value.
 
-Writes ``bench/results/fleet-raw.json`` (every request, every nginx log line, every sample),
+Writes ``bench/results/fleet-raw.json`` (every request, every gateway log line, every sample),
 ``bench/results/fleet.json`` (figures), ``bench/results/fleet-timeline.png`` and
 ``fleet-summary.png``, and the fleet section of ``BENCHMARKS.md`` (full runs only).
 """
 
-# The package: ``run`` is the fleet (two vLLMs, their sidecars, nginx) and the client's burst,
-# ``figures`` reads the outcomes and nginx's log into figures, ``report`` draws the charts and
-# writes the section, ``cli`` is the command line (``python -m bench.fleet``).
+# The package: ``run`` is the fleet (two vLLMs, their sidecars, nginx or HAProxy) and the client's
+# burst, ``haproxy`` the HAProxy configuration, process and log, ``figures`` reads the outcomes
+# and the gateway's log into figures, ``report`` draws the charts and writes the section, ``cli``
+# is the command line (``python -m bench.fleet``).

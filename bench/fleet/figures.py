@@ -3,18 +3,27 @@ client's waits), and medians over the repetitions of a configuration."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
-from bench.fleet.run import WEIGHTS
+from bench.fleet.run import BLOCK_SIZE, WEIGHTS
 from harness.bench_util import fmt
 from harness.stats import median, percentile
+from sidecar.admission.retry import MAX_RETRY_AFTER
+
+
+def gateway_log(run: dict[str, Any]) -> list[dict[str, str]]:
+    """The gateway's log lines, one per request: nginx's access log, or HAProxy's httplog read
+    into the same fields (``bench.fleet.haproxy.parse_log``: ``upstream`` is the server that
+    answered, the last tried; HAProxy logs no earlier server or status, only ``retries``)."""
+    return list(run.get("haproxy_log") or run.get("nginx_log") or [])
 
 
 def served_by(run: dict[str, Any]) -> dict[int, str]:
-    """Request id -> the replica whose answer was 200 (the last upstream nginx tried)."""
+    """Request id -> the replica whose answer was 200 (the last upstream the gateway tried)."""
     out: dict[int, str] = {}
-    for line in run["nginx_log"]:
+    for line in gateway_log(run):
         if line.get("status") != "200" or not line.get("id", "").isdigit():
             continue
         last = line["upstream"].split(",")[-1].strip()
@@ -28,7 +37,7 @@ def nginx_retries(run: dict[str, Any]) -> dict[str, Any]:
     first_tries = {n: 0 for n in WEIGHTS}
     sent_on = 0
     both_refused = 0
-    lines = [x for x in run["nginx_log"] if x.get("id", "").isdigit()]  # not the readiness GET
+    lines = [x for x in gateway_log(run) if x.get("id", "").isdigit()]  # not the readiness GET
     for line in lines:
         addrs = [a.strip() for a in line.get("upstream", "").split(",") if a.strip()]
         codes = [c.strip() for c in line.get("upstream_status", "").split(",")]
@@ -40,7 +49,9 @@ def nginx_retries(run: dict[str, Any]) -> dict[str, Any]:
             if code in ("429", "503"):
                 name = run["port_to_replica"].get(addr, "?")
                 refusals[name] = refusals.get(name, 0) + 1
-        if len(addrs) > 1:
+        # HAProxy logs only the last server: a retry shows as its retry count (%rc)
+        retried = int(line.get("retries", "0").lstrip("+") or 0) > 0
+        if len(addrs) > 1 or retried:
             sent_on += 1
             if line.get("status") in ("429", "503"):
                 both_refused += 1
@@ -51,6 +62,113 @@ def nginx_retries(run: dict[str, Any]) -> dict[str, Any]:
         "sent_on": sent_on,
         "both_refused": both_refused,
     }
+
+
+def retry_after_seconds(refusal: dict[str, Any]) -> float | None:
+    """The Retry-After a refusal carried, in seconds (``retry-after-ms`` first, as the client
+    reads it); None when it carried none."""
+    for key, scale in (("retry_after_ms", 1e-3), ("retry_after", 1.0)):
+        value = refusal.get(key)
+        if value is not None:
+            with contextlib.suppress(ValueError):
+                return float(value) * scale
+    return None
+
+
+def request_peak_blocks(run: dict[str, Any]) -> int:
+    """A burst request's KV peak in blocks: its prompt and max_tokens (every answer runs to it,
+    ``ignore_eos``), rounded up to whole blocks."""
+    size: list[int] = run.get("size", [24, 271, 700])
+    return math.ceil((size[1] + size[2]) / BLOCK_SIZE)
+
+
+def room(sample: dict[str, Any], replica: str, peak: int) -> bool | None:
+    """Whether ``replica``'s sidecar had room for one more request at ``sample``: its budget less
+    its committed blocks (what admission keeps under the budget) less the projected peaks of its
+    queue holds ``peak`` blocks. None: no sidecar figures in the sample."""
+    sc = (sample.get(replica) or {}).get("sidecar") or {}
+    budget, committed, queued = (
+        sc.get("budget_blocks"),
+        sc.get("committed_blocks"),
+        sc.get("peak_blocks_queued"),
+    )
+    if budget is None or committed is None or queued is None:
+        return None
+    return bool(budget - committed - queued >= peak)
+
+
+def retry_after_at_cap(run: dict[str, Any]) -> dict[str, Any]:
+    """The 429s the client saw whose Retry-After was at the sidecar's cap (``MAX_RETRY_AFTER``),
+    and of those, how many came while the other replica's sidecar had room (:func:`room`, in
+    the sample nearest in time to the refusal) and while any replica's did. The replica that
+    refused is the one the gateway's log names for that request's 429s, in order."""
+    peak = request_peak_blocks(run)
+    # samples with the clock and at least one sidecar's figures (none: direct, or an older run)
+    samples = [
+        s for s in run["samples"] if "m" in s and any(room(s, n, peak) is not None for n in WEIGHTS)
+    ]
+    log_429: dict[str, list[str]] = {}
+    for line in gateway_log(run):
+        if line.get("status") == "429":
+            last = line.get("upstream", "").split(",")[-1].strip()
+            log_429.setdefault(line.get("id", ""), []).append(run["port_to_replica"].get(last, "?"))
+    at_cap = other_room = any_room = 0
+    unknown = 0  # at the cap with no sidecar sample to judge room by
+    gaps: list[float] = []
+    for o in run["outcomes"]:
+        refused = log_429.get(str(o["id"]), [])
+        for k, r in enumerate(x for x in o.get("refusals", []) if x["status"] == 429):
+            seconds = retry_after_seconds(r)
+            if seconds is None or seconds < MAX_RETRY_AFTER:
+                continue
+            at_cap += 1
+            if not samples:
+                unknown += 1
+                continue
+            nearest = min(samples, key=lambda s: abs(s["m"] - r["m"]))
+            gaps.append(abs(nearest["m"] - r["m"]))
+            by = refused[k] if k < len(refused) else "?"
+            rooms = {n: room(nearest, n, peak) for n in WEIGHTS}
+            if any(rooms[n] for n in WEIGHTS if n != by):
+                other_room += 1
+            if any(rooms.values()):
+                any_room += 1
+    return {
+        "retry_after_cap_s": MAX_RETRY_AFTER,
+        "retry_after_at_cap": at_cap,
+        "retry_after_at_cap_other_room": other_room if samples else None,
+        "retry_after_at_cap_any_room": any_room if samples else None,
+        "retry_after_at_cap_unjudged": unknown,
+        "retry_after_at_cap_sample_gap_max": max(gaps) if gaps else None,
+    }
+
+
+def agent_weights(run: dict[str, Any]) -> dict[str, Any] | None:
+    """HAProxy's weights over the run (its ``show stat``, sampled every 0.5 s), per replica (the
+    sum over its servers): first, min, max and last sample, and the samples in which a replica's
+    weight was below its configured total. None without HAProxy."""
+    rows = [s["haproxy"] for s in run["samples"] if s.get("haproxy")]
+    if not rows:
+        return None
+    names = run["port_to_replica"]
+    per: dict[str, list[int]] = {n: [] for n in WEIGHTS}
+    for row in rows:
+        for n in WEIGHTS:
+            ws = [v["weight"] for k, v in row.items() if names.get(k) == n]
+            if ws and all(w is not None for w in ws):
+                per[n].append(sum(ws))
+    out: dict[str, Any] = {"samples": len(rows)}
+    for n, ws in per.items():
+        if ws:
+            full = 100 * WEIGHTS[n]
+            out[n] = {
+                "first": ws[0],
+                "min": min(ws),
+                "max": max(ws),
+                "last": ws[-1],
+                "samples_below_configured": sum(1 for w in ws if w < full),
+            }
+    return out
 
 
 def _mean(total: float | None, count: float | None) -> float | None:
@@ -120,7 +238,9 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
         "retry_after_p50": percentile(sleeps, 0.5),
         "retry_after_max": max(sleeps) if sleeps else math.nan,
         "first_answer_s": min(e2e) if e2e else math.nan,
+        **retry_after_at_cap(run),
         "replicas": per,
+        "agent_weights": agent_weights(run),
     }
 
 

@@ -27,6 +27,7 @@ COLORS = {
     "sidecar-spill-2": "tab:purple",
     "sidecar-spill-5": "tab:brown",
     "sidecar-spill-15": "tab:olive",
+    "sidecar-queue-haproxy": "tab:cyan",
 }
 
 
@@ -72,7 +73,7 @@ def _timeline(
                 linewidth=1,
                 label=f"{name}: vLLM waiting x4",
             )
-            if config == "sidecar-queue" or config.startswith("sidecar-spill"):
+            if _queues(config):
                 ax.plot(
                     t,
                     [q * 4 for q in queued],
@@ -108,7 +109,8 @@ def _timeline(
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=7, ncols=3)
     fig.suptitle(
-        f"Two vLLM replicas behind nginx (weights A {WEIGHTS['A']} : B {WEIGHTS['B']}), "
+        f"Two vLLM replicas behind nginx or HAProxy (weights A {WEIGHTS['A']} : B "
+        f"{WEIGHTS['B']}), "
         f"{NUM_GPU_BLOCKS} blocks of {BLOCK_SIZE} tokens each"
     )
     timeline = RESULTS / f"fleet-timeline{suffix}.png"
@@ -178,7 +180,10 @@ def _summary(
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Two vLLM replicas behind nginx: the same skewed burst, each configuration")
+    fig.suptitle(
+        "Two vLLM replicas behind nginx (HAProxy for *-haproxy): the same skewed burst, "
+        "each configuration"
+    )
     summary = RESULTS / f"fleet-summary{suffix}.png"
     fig.savefig(summary, dpi=85)
     plt.close(fig)
@@ -207,7 +212,7 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
         f"`weight={WEIGHTS['A']}` (A) and `weight={WEIGHTS['B']}` (B), `max_fails=0`, keepalive, "
         "`proxy_buffering off`, `proxy_next_upstream error timeout http_429 http_503 "
         f"non_idempotent; proxy_next_upstream_tries {NGINX_TRIES}` (the same file for every "
-        "configuration; the exact file is in the raw JSON). Sidecars: defaults plus "
+        "nginx configuration; the exact file is in the raw JSON). Sidecars: defaults plus "
         "`--max-queue-wait 600 --max-queue-depth 1024` (`sidecar-spill-S`: `--policy spill "
         "--spill-wait S`), fresh for each run. The burst: "
         f"{count} streamed completions sent at once, {prompt_tokens}-token prompts, max_tokens "
@@ -216,6 +221,20 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
         f"`retry-after-ms` / `Retry-After`, at most {MAX_ATTEMPTS} attempts per request; "
         "TTFT and E2E count from the first attempt.",
         "",
+        *(
+            [
+                "`sidecar-queue-haproxy`: HAProxy "
+                f"{raw.get('haproxy_version', '?')} instead of nginx, on "
+                "`deploy/gateway/haproxy.cfg` as shipped but for its bind address, its stats "
+                "socket, a capture of the request id for its log, and its servers: three "
+                "(weight 100 each) for replica A's sidecar and one for B's, so 3:1 as nginx's "
+                "until the sidecars' agents (`--agent-port`, asked every second) lower a weight "
+                "(`bench/fleet/haproxy.py`; the exact file is in the raw JSON).",
+                "",
+            ]
+            if "sidecar-queue-haproxy" in figs
+            else []
+        ),
         "**Per configuration** (median over repetitions, every repetition in brackets; "
         "percentiles are over the answers of one repetition, then the median of those):",
         "",
@@ -225,7 +244,7 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
 
 def _queues(config: str) -> bool:
     """Whether the configuration's sidecars queue (``queue``, and ``spill`` for short waits)."""
-    return config == "sidecar-queue" or config.startswith("sidecar-spill")
+    return config.startswith(("sidecar-queue", "sidecar-spill"))
 
 
 def _per_configuration(figs: dict[str, dict[str, Any]]) -> list[str]:
@@ -253,6 +272,8 @@ def _per_configuration(figs: dict[str, dict[str, Any]]) -> list[str]:
                 fmt(f["retry_sleep_mean"], 1),
                 f"{fmt(f['retry_after_p50'], 1)} / {fmt(f['retry_after_max'], 1)}",
                 fmt(f["first_answer_s"], 1),
+                f"{fmt(f.get('retry_after_at_cap'), 0)} / "
+                f"{fmt(f.get('retry_after_at_cap_other_room'), 0)}",
                 fmt(f["seconds"], 0),
             ]
         )
@@ -276,6 +297,7 @@ def _per_configuration(figs: dict[str, dict[str, Any]]) -> list[str]:
                 "mean client sleep after 429s per request, s",
                 "Retry-After slept p50 / max, s",
                 "first answer done, s",
+                "429s with Retry-After at its cap / of those while the other replica had room",
                 "burst to last answer, s",
             ],
             rows,
@@ -283,7 +305,11 @@ def _per_configuration(figs: dict[str, dict[str, Any]]) -> list[str]:
         "",
         "`/ direct` is the median of the per-repetition ratios (repetition i of each "
         "configuration ran in the same round). The TTFT columns are the wait before the first "
-        "token of each answer, counted from the client's first attempt.",
+        "token of each answer, counted from the client's first attempt. Retry-After's cap is "
+        "the sidecar's `MAX_RETRY_AFTER`; a replica had room when its sidecar's `budget_blocks` "
+        "less `committed_blocks` less `peak_blocks_queued` (its /state, in the sample nearest "
+        "the refusal, taken every 0.5 s) held a burst request's peak; `-` where no sidecar "
+        "was sampled.",
         "",
         "**Per replica** (median over repetitions; `served`: answers whose 200 came from that "
         "replica, from nginx's access log; `first tries`: attempts nginx sent there first; "

@@ -25,8 +25,10 @@ from bench.common import (
     wait_idle,
     wait_tokenizer,
 )
+from bench.fleet.haproxy import HAProxy
 from harness.bench_util import progress
 from harness.exposition import metric_value
+from harness.local import free_port
 from harness.vllm_cpu import VllmServer
 from harness.workload import SidecarProcess, vllm_preemptions
 
@@ -45,7 +47,20 @@ CONFIGS = [
     "sidecar-queue",
     "sidecar-reject",
     *(f"sidecar-spill-{s}" for s in SPILL_WAITS),
+    "sidecar-queue-haproxy",
 ]
+#: configurations whose gateway is HAProxy on deploy/gateway/haproxy.cfg (bench.fleet.haproxy),
+#: their sidecars with the agent on; the others are behind nginx
+HAPROXY_CONFIGS = ("sidecar-queue-haproxy",)
+#: the state fields the sampler keeps of each sidecar's /state
+STATE_FIELDS = (
+    "queue_depth",
+    "in_flight",
+    "reserved_blocks",
+    "budget_blocks",
+    "committed_blocks",
+    "peak_blocks_queued",
+)
 FULL_SIZE = (24, 271, 700)  # requests, prompt tokens, max_tokens (ignore_eos)
 QUICK_SIZE = (10, 271, 400)
 
@@ -141,6 +156,8 @@ async def one(
         "client_503": 0,
         "retry_sleep": 0.0,
         "retry_after": [],  # the delay the client slept after each refusal
+        # each 429/503 as it came: monotonic time, status, the raw Retry-After headers
+        "refusals": [],
         "error": "",
     }
     body = {
@@ -166,6 +183,14 @@ async def one(
                     await resp.aread()
                     refusals += 1
                     out[f"client_{resp.status_code}"] += 1
+                    out["refusals"].append(
+                        {
+                            "m": time.monotonic(),
+                            "status": resp.status_code,
+                            "retry_after": resp.headers.get("retry-after"),
+                            "retry_after_ms": resp.headers.get("retry-after-ms"),
+                        }
+                    )
                     delay = retry_delay(resp.headers, refusals, rng)
                     late = time.monotonic() + delay - t0 > REQUEST_DEADLINE_S
                     if out["attempts"] >= MAX_ATTEMPTS or late:
@@ -221,12 +246,16 @@ def sampler(
     sidecars: dict[str, SidecarProcess],
     samples: list[dict[str, Any]],
     stop: threading.Event,
+    haproxy: HAProxy | None = None,
 ) -> None:
-    """Every 0.5 s: each vLLM's KV use, running, waiting, preemptions; each sidecar's queue."""
+    """Every 0.5 s: each vLLM's KV use, running, waiting, preemptions; each sidecar's queue and
+    KV figures (``STATE_FIELDS``); HAProxy's servers' weights (its ``show stat``). ``m``: the
+    monotonic clock, to match the client's refusals with the nearest sample."""
     t0 = time.monotonic()
     with httpx.Client(timeout=5, trust_env=False) as client:
         while not stop.is_set():
-            row: dict[str, Any] = {"t": round(time.monotonic() - t0, 2)}
+            now = time.monotonic()
+            row: dict[str, Any] = {"t": round(now - t0, 2), "m": round(now, 3)}
             for name, url in replicas.items():
                 with contextlib.suppress(httpx.HTTPError):
                     row[name] = read_vllm(client.get(url + "/metrics").text)
@@ -234,9 +263,10 @@ def sampler(
                 if sc is not None and name in row:
                     with contextlib.suppress(httpx.HTTPError, ValueError):
                         state = client.get(sc.metrics_url + "/state").json()
-                        row[name]["sidecar"] = {
-                            k: state.get(k) for k in ("queue_depth", "in_flight", "reserved_blocks")
-                        }
+                        row[name]["sidecar"] = {k: state.get(k) for k in STATE_FIELDS}
+            if haproxy is not None:
+                with contextlib.suppress(OSError, KeyError, ValueError):
+                    row["haproxy"] = haproxy.sample()
             samples.append(row)
             stop.wait(0.5)
 
@@ -278,7 +308,7 @@ def sidecar_counters(sidecar: SidecarProcess) -> dict[str, Any]:
 def sidecar_flags(config: str) -> list[str]:
     """The flags of a ``sidecar-*`` configuration's sidecars (``sidecar-spill-S``: ``--policy
     spill --spill-wait S``)."""
-    policy = config.removeprefix("sidecar-")
+    policy = config.removeprefix("sidecar-").removesuffix("-haproxy")
     if policy.startswith("spill-"):
         return [*queue_flags("spill"), "--spill-wait", policy.removeprefix("spill-")]
     return queue_flags(policy)
@@ -294,36 +324,61 @@ def run_config(
     preempt_before = {n: vllm_preemptions(u) for n, u in urls.items()}
     before = {n: vllm_counters(u) for n, u in urls.items()}
     sidecars: dict[str, SidecarProcess] = {}
+    agent_ports: dict[str, int] = {}
     nginx: Nginx | None = None
+    haproxy: HAProxy | None = None
+    gateway_conf = ""
+    log: list[dict[str, str]] = []
     samples: list[dict[str, Any]] = []
     stop = threading.Event()
     thread: threading.Thread | None = None
     try:
         if config.startswith("sidecar-"):
             for name, url in urls.items():
-                sidecars[name] = SidecarProcess(url, *sidecar_flags(config)).start()
+                flags = sidecar_flags(config)
+                if config in HAPROXY_CONFIGS:
+                    agent_ports[name] = free_port()
+                    flags += ["--agent-port", str(agent_ports[name])]
+                sidecars[name] = SidecarProcess(url, *flags).start()
             for sc in sidecars.values():
                 wait_tokenizer(sc)
             backends = {n: sc.port for n, sc in sidecars.items()}
         else:
             backends = {n: v.port for n, v in vllms.items()}
-        nginx = start_nginx(backends["A"], backends["B"])
-        port_to_replica = {f"127.0.0.1:{p}": n for n, p in backends.items()}
-        thread = threading.Thread(target=sampler, args=(urls, sidecars, samples, stop), daemon=True)
+        if config in HAPROXY_CONFIGS:
+            haproxy = HAProxy(
+                {n: (sc.port, sc.metrics_port, agent_ports[n]) for n, sc in sidecars.items()},
+                WEIGHTS,
+            ).start()
+            gateway_url = haproxy.url
+            port_to_replica = dict(haproxy.servers)
+        else:
+            nginx = start_nginx(backends["A"], backends["B"])
+            gateway_url = nginx.url
+            port_to_replica = {f"127.0.0.1:{p}": n for n, p in backends.items()}
+        thread = threading.Thread(
+            target=sampler, args=(urls, sidecars, samples, stop, haproxy), daemon=True
+        )
         thread.start()
-        outcomes, seconds = asyncio.run(burst(nginx.url, prompts, max_tokens))
+        outcomes, seconds = asyncio.run(burst(gateway_url, prompts, max_tokens))
         stop.set()
         thread.join()
-        time.sleep(0.5)  # nginx writes a log line when the answer ends
-        log = nginx.access_log()
+        time.sleep(0.5)  # nginx and HAProxy write a log line when the answer ends
         sidecar_figs = {n: sidecar_counters(sc) for n, sc in sidecars.items()}
-        conf_text = nginx.conf.read_text()
+        if haproxy is not None:
+            log = haproxy.access_log()
+            gateway_conf = haproxy.conf.read_text()
+        elif nginx is not None:
+            log = nginx.access_log()
+            gateway_conf = nginx.conf.read_text()
     finally:
         stop.set()
         if thread is not None:
             thread.join()
         if nginx is not None:
             nginx.stop()
+        if haproxy is not None:
+            haproxy.stop()
         for sc in sidecars.values():
             sc.stop()
     preempt_after = {n: vllm_preemptions(u) for n, u in urls.items()}
@@ -332,8 +387,11 @@ def run_config(
         "config": config,
         "seconds": seconds,
         "outcomes": outcomes,
-        "nginx_log": log,
-        "nginx_conf": conf_text,
+        "gateway": "haproxy" if haproxy is not None else "nginx",
+        # the gateway's log, one dict per request (HAProxy's parsed into nginx's fields, and its
+        # line as logged), and its configuration file
+        f"{'haproxy' if haproxy is not None else 'nginx'}_log": log,
+        f"{'haproxy' if haproxy is not None else 'nginx'}_conf": gateway_conf,
         "port_to_replica": port_to_replica,
         "samples": samples,
         "preemptions": {n: preempt_after[n] - preempt_before[n] for n in urls},
