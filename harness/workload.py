@@ -222,6 +222,11 @@ class SidecarProcess:
         return f"http://127.0.0.1:{self.metrics_port}"
 
     def start(self, *, wait_ready: bool = True, timeout: float = 60.0) -> SidecarProcess:
+        if self.proc is not None and self.proc.poll() is None:
+            # already running (``with sc.start():`` enters after starting it): a second
+            # process would find its ports taken and exit, and the first one would outlive
+            # the test unstopped
+            return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [
             sys.executable,

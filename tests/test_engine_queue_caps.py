@@ -155,6 +155,10 @@ def test_relay_workers_carry_the_refusal_to_the_owner(upstream: FakeServer) -> N
         )
         assert served == 4, text
         assert metric_value(text, "kv_sidecar_retry_after_seconds_count") == 4, text
+    # started once (``with`` on a started process does not start another) and stopped: nothing
+    # answers on its port any more
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(sidecar.metrics_url + "/healthz", timeout=5)
 
 
 # --- a real vLLM with --max-num-queued-reqs 1 ------------------------------------------------
