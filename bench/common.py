@@ -202,6 +202,17 @@ def nginx_user() -> str:
     return "user root;\n" if os.geteuid() == 0 else ""
 
 
+def terminate(proc: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> None:
+    """SIGTERM a gateway process still running, SIGKILL it after ``timeout`` seconds."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Nginx:
     """nginx in the foreground (``daemon off``) on a free port, with the config ``render`` writes
     for (its directory, its port) in a temp directory; ready once ``ready_path`` answers 200."""
@@ -250,13 +261,7 @@ class Nginx:
         return lines
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: nginx's fast shutdown
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)  # SIGTERM: nginx's fast shutdown
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> Nginx:

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import terminate
 from harness.bench_util import ROOT
 from harness.local import free_port
 
@@ -237,11 +238,5 @@ class HAProxy:
         )
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
