@@ -4,7 +4,9 @@ its reservation released and the refusal counted; vLLM's ``vllm:admission_reject
 relayed. Any other 503 is relayed as vLLM sent it.
 
 The fake vLLM refuses as vLLM 0.32's source does (``max_num_queued_reqs``: the same status, body
-and counter); the last test starts a real vLLM with ``--max-num-queued-reqs 1``.
+and counter); the last test starts a real vLLM with ``--max-num-queued-reqs 1`` and holds its
+engine (``frozen_engine``) while the one request vLLM took is unfinished, so that the race with
+a fast host's decoding is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sidecar.admission.decisions import DECISION_LABELS, REFUSALS, Outcome, Reas
 from sidecar.engine.queue_caps import ENGINE_QUEUE_FULL, QUEUE_FULL_BODY, queue_cap_reason
 from tests.support.openai_errors import openai_error, retry_after
 from tests.support.stack import Stack, run_sidecar
+from tests.support.stepped import frozen_engine
 from tests.support.wait import eventually
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -190,19 +193,22 @@ def test_a_real_vllms_queue_cap_becomes_the_sidecars_429(capped_vllm: VllmServer
             assert holder.status_code == 200
             lines = holder.iter_lines()
             next(line for line in lines if line.startswith("data: "))  # it runs
-            # vLLM's own answer to a second request, as its source builds it
-            direct = client.post(url + "/v1/completions", json={**body, "max_tokens": 4})
-            assert direct.status_code == 503, direct.text
-            assert queue_cap_reason(503, direct.content) == "max_num_queued_reqs", direct.text
-            assert "retry-after" not in direct.headers
-            # the same request through the sidecar: its own 429, both streamed and not
-            for stream in (False, True):
-                resp = client.post(
-                    sidecar.url + "/v1/completions",
-                    json={**body, "max_tokens": 4, "stream": stream},
-                )
-                openai_error(resp, 429, "engine_queue_full")
-                assert retry_after(resp) == 1.0
+            # and stays unfinished, however fast the host decodes: vLLM's API server counts it
+            # against the cap and answers the others itself
+            with frozen_engine(capped_vllm):
+                # vLLM's own answer to a second request, as its source builds it
+                direct = client.post(url + "/v1/completions", json={**body, "max_tokens": 4})
+                assert direct.status_code == 503, direct.text
+                assert queue_cap_reason(503, direct.content) == "max_num_queued_reqs", direct.text
+                assert "retry-after" not in direct.headers
+                # the same request through the sidecar: its own 429, both streamed and not
+                for stream in (False, True):
+                    resp = client.post(
+                        sidecar.url + "/v1/completions",
+                        json={**body, "max_tokens": 4, "stream": stream},
+                    )
+                    openai_error(resp, 429, "engine_queue_full")
+                    assert retry_after(resp) == 1.0
             for _ in lines:
                 pass
         deadline = time.monotonic() + 10

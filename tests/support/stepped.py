@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from harness.sim_server import SimServer
-from harness.vllm_info import VllmInfo
+from harness.vllm_info import Server, VllmInfo
 from harness.workload import SidecarProcess
 from tests.support.external import unless_external
 from tests.support.sim import cache_config, metrics
@@ -252,7 +252,7 @@ def admitted(sc: SidecarProcess, count: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def frozen_engine(vllm: VllmInfo) -> Iterator[None]:
+def frozen_engine(vllm: VllmInfo | Server) -> Iterator[None]:
     """The harness's real vLLM with its engine core and worker stopped for the block (SIGSTOP to
     its process group, then SIGCONT to the API server alone, the group's leader; SIGCONT to the
     group at the end): the API server takes requests, renders their prompts and answers
@@ -260,7 +260,8 @@ def frozen_engine(vllm: VllmInfo) -> Iterator[None]:
     ends. What a sidecar decides on a burst sent meanwhile is what it decides on the burst
     arriving at once, on any host. The test must not wait inside the block on anything that
     needs a token."""
-    proc = vllm.server.proc if vllm.server is not None else None
+    server = vllm.server if isinstance(vllm, VllmInfo) else vllm
+    proc = server.proc if server is not None else None
     if proc is None:
         unless_external("stops its vLLM's engine with SIGSTOP: not an external vLLM")
     os.killpg(proc.pid, signal.SIGSTOP)
