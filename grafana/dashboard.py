@@ -701,13 +701,19 @@ def _classes_row() -> list[PanelBuilder]:
             "Oldest queued request by priority",
             "Seconds the longest-waiting queued request of each priority has waited. One that "
             "keeps growing while others are admitted is a starving class "
-            "(KVSidecarPriorityStarved).",
+            "(KVSidecarPriorityStarved). Beside it, each pod's prefill backlog: the seconds of "
+            "prefill it has sent vLLM and not yet presumed done; requests of a positive "
+            "priority wait while it is over --priority-pace.",
             "s",
             [
                 Query(
                     f"max by (priority) ({sidecar('kv_sidecar_class_oldest_wait_seconds')})",
                     "p{{priority}}",
-                )
+                ),
+                Query(
+                    _per_pod("max", sidecar("kv_sidecar_prefill_backlog_seconds")),
+                    "{{pod}} prefill backlog",
+                ),
             ],
             width=8,
             min_value=0,

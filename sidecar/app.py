@@ -102,6 +102,7 @@ class Sidecar:
             tenant_max_share=settings.tenant_max_share,
             tenant_max_queue=settings.tenant_max_queue,
             priority_reserve=settings.priority_reserve,
+            priority_pace=settings.priority_pace,
         )
         self.lengths = (
             LengthsSaver(settings.lengths_file, self.admission.learner)

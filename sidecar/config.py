@@ -222,9 +222,18 @@ class Settings(BaseSettings):
     comes before they give up and an admitted request still has time to run."""
     spill_wait: float = Field(default=2.0, ge=0)
     """--policy spill: a request whose expected wait here (from the trajectories) is longer than
-    this many seconds is refused at once with 429 and Retry-After, so that a gateway that retries
-    another replica on 429 finds one with room; a shorter wait is queued (up to
-    --max-queue-wait)."""
+    this many seconds is refused at once with 429 (or --spill-status) spilled and Retry-After,
+    so that a gateway that retries another replica finds one with room; a shorter wait is
+    queued (up to
+    --max-queue-wait). A request queued so is judged again each time the queue is tried: once
+    its expected wait is over half again this, it is handed back with the same refusal, unless
+    it is the next to be admitted (README: How admission decides)."""
+    spill_status: int = 429
+    """--policy spill: the HTTP status of a spilled refusal, 429 or 503, with the same
+    OpenAI-shaped body (code spilled) and Retry-After either way. 503 for a gateway that
+    retries a 503 on another replica but cannot retry a 429 (HAProxy 2.6's retry-on,
+    deploy/gateway/haproxy.cfg); the sidecar refuses before vLLM sees the request, so a retry
+    repeats no work."""
     max_queue_depth: int = Field(default=256, ge=0)
     """Requests the queue holds; beyond it new ones get 429 queue_full, or, when the newcomer's
     priority is better than a queued request's, that request gets 429 displaced in its place."""
@@ -241,6 +250,16 @@ class Settings(BaseSettings):
     for a batch answer to end (the sidecar never stops a running request). Room those requests
     hold themselves counts against it; into a pool with nothing else in flight any request may
     go. It changes nothing while no request has a positive priority. 0: no reserve."""
+    priority_pace: float = Field(default=0.0, ge=0)
+    """Seconds of prefill a request of a positive priority (a batch class) may find ahead of it
+    in vLLM's own first-come queue: such a request is forwarded only while the prompts already
+    sent (every priority, each at the learned cost of a prompt token) would be prefilled within
+    this, so that a burst of them enters vLLM about as fast as vLLM prefills it and a request of
+    priority 0 finds at most this much prefill ahead of it. Under --policy queue and spill (the
+    paced request waits in the sidecar's queue); nothing is paced while no request has a
+    positive priority. 0 (the default): not paced; on the simulated 8B engine a pace of 0.1 s
+    cut the wait of the chats that arrived behind a batch burst's first wave but slowed their
+    decode steps and left the classes' TTFT p99 higher (BENCHMARKS.md)."""
     tenant_shares: str | None = None
     """Inside a priority, tenants (the x-kv-sidecar-tenant header, else the API key's digest)
     share the KV cache by weight: comma-separated TENANT=SHARE. Unset: every tenant 1."""
@@ -343,6 +362,13 @@ class Settings(BaseSettings):
     @classmethod
     def _shares(cls, value: str | None) -> str | None:
         parse_tenant_shares(value)
+        return value
+
+    @field_validator("spill_status")
+    @classmethod
+    def _spill_status(cls, value: int) -> int:
+        if value not in (429, 503):
+            raise ValueError("spill_status must be 429 or 503")
         return value
 
     @field_validator("upstream")

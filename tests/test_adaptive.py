@@ -268,6 +268,30 @@ def test_the_decode_step_target_holds_a_larger_batch_back() -> None:
     assert d is not None and d.admitted
 
 
+def test_the_decode_step_target_counts_requests_started_since_the_scrape() -> None:
+    """The same engine and target, 8 running at the last scrape, all of them the sidecar's; the
+    requests it admits start at once (their first tokens come) and no scrape follows: the
+    sidecar's own count of started sequences holds the batch to 10, as the scrape would have."""
+    clock = Clock()
+    ac = controller(clock, tpot_target=0.0121, policy="reject")
+    _costly(ac, clock, per_token=2e-4)
+    running = []
+    for _ in range(8):
+        d = ac.try_admit(Ask(chat(100, 16), streamed=True))
+        assert d is not None and d.reservation is not None
+        ac.started(d.reservation)
+        running.append(d.reservation)
+    ac.on_snapshot(snapshot(clock, running=8))
+    decisions = []
+    for _ in range(5):
+        d = ac.try_admit(Ask(chat(100, 16), streamed=True))
+        assert d is not None
+        decisions.append(d.reason)
+        if d.reservation is not None:
+            ac.started(d.reservation)
+    assert decisions == [Reason.FITS, Reason.FITS] + [Reason.LATENCY_TARGET] * 3
+
+
 def completion(prompt: int, max_tokens: int) -> Projection:
     return project_counts(
         (prompt,), requested_max_tokens=max_tokens, n=1, max_model_len=MAX_MODEL_LEN, blocks=BLOCKS
@@ -490,3 +514,33 @@ def test_only_a_cheap_recompute_is_admitted_by_its_prompt() -> None:
     # by the future peak at the floor: 7 blocks each (600 + 256 tokens), 9 in 64; by their
     # prompts (5 blocks each) vLLM's rule would have admitted 12
     assert admitted(ac, completion(600, 1000), "completion:1000") == 64 // math.ceil(856 / 128)
+
+
+def test_a_burst_of_known_lengths_is_admitted_by_its_trajectories_means() -> None:
+    """``vllm bench serve``'s burst: 256-token prompts that run to 600 tokens (``ignore_eos``)
+    on 64 blocks of 128. Laid out by their peaks (7 blocks each, all at their ends at once)
+    9 run and the wave uses the pool fully only at its end; an adaptive sidecar on an engine
+    whose recompute of 856 tokens costs under a decode step, and where one sequence more gains
+    less than that, admits them by their means (halfway from the prompt's 2 blocks to the
+    peak's 7: 4.5 each), 14. Worst-case mode keeps the peaks. Where the recompute is dear (a
+    GPU-like 26 ms step beside 0.25 ms a prompt token: ~8 steps), the peaks again; and a
+    request whose length is not known (no ``ignore_eos``) is never laid out by a mean."""
+    klass = request_class("completions", 600, ignore_eos=True)
+    clock = Clock()
+    wide = controller(clock)
+    # a step of 512 sequences, 49% of it fixed (20.2 ms), 20 us a prompt token: the recompute
+    # of 856 tokens costs under a step, and one sequence more gains 600 x 0.49 / 512, less
+    # (where it gains more, it is risked from the floor: tests/test_ignore_eos.py)
+    _costly(wide, clock, per_token=2e-5, running=512)
+    costs = wide.pools[0].view.costs
+    assert costs.gain_steps(600) < costs.recompute_steps(856) < 1
+    assert wide.reserving.averaged(klass, 256, 600, costs)
+    assert admitted(wide, completion(256, 600), klass) == 14
+    worst = AdmissionController(Ledger(BLOCKS, clock=clock), clock=clock, headroom=0.0)
+    worst.on_snapshot(snapshot(clock))
+    assert admitted(worst, completion(256, 600), klass) == 9
+    expensive = dear(clock)
+    assert not expensive.reserving.averaged(klass, 256, 600, expensive.pools[0].view.costs)
+    assert admitted(expensive, completion(256, 600), klass) == 9
+    plain = request_class("completions", 600)
+    assert not wide.reserving.averaged(plain, 256, 600, costs)

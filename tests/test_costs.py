@@ -10,11 +10,16 @@ import dataclasses
 import pytest
 
 from sidecar.admission.costs import (
+    PRIOR_FIXED_SHARE,
     PRIOR_PREFILL_TOKENS_PER_STEP,
     EngineCosts,
     reserve_quantile,
 )
+from sidecar.admission.engine_view import EngineView
 from sidecar.engine.snapshot import EngineSnapshot
+from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.ledger import Ledger
+from sidecar.kv.projection import project_counts
 
 BASE = EngineSnapshot(
     taken_at=0.0,
@@ -113,9 +118,16 @@ def test_a_host_that_slows_both_alike_leaves_the_recompute_in_steps_unchanged() 
 
 
 def test_a_batch_that_never_varied_gives_no_line() -> None:
+    """No line, so no measured fixed share: the batch gain is the prior share's, over the
+    recent batch or the batch the request would join, whichever is larger."""
     costs = EngineCosts()
     learn(Engine(base=0.010, per_token=2e-5, per_sequence=1e-4), costs, [(8, 1)] * 20)
-    assert costs.line() is None and costs.fixed_share() is None and costs.gain_steps(100) == 0
+    assert costs.line() is None and costs.fixed_share() is None
+    assert costs.gain_steps(100) == pytest.approx(100 * PRIOR_FIXED_SHARE / 8)
+    assert costs.gain_steps(100, 20) == pytest.approx(100 * PRIOR_FIXED_SHARE / 20)
+    assert costs.gain_steps(100, 4) == costs.gain_steps(100)
+    assert costs.figures().gain_steps_per_token == pytest.approx(PRIOR_FIXED_SHARE / 8)
+    assert costs.figures().fixed_share is None  # the exporter shows only a measured share
     assert costs.prefill_seconds_per_token() is not None
     assert costs.step_seconds(8) == pytest.approx(0.0108, rel=1e-6)  # the measured decode step
 
@@ -164,3 +176,50 @@ def test_the_quantile_a_recompute_asks_for(
     steps: float, risk: float, quantile: float | None
 ) -> None:
     assert reserve_quantile(steps, risk_steps=risk) == quantile
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_prefills_that_shared_a_step_count_it_once(together: bool) -> None:
+    """12 streamed requests of 256 prompt tokens on an engine whose decode step takes 10 ms and
+    whose prefill adds 20 us a token. Prefilled ``together`` (a burst: one step of 10 ms +
+    12 x 256 x 20 us, whose first tokens the sidecar saw at one instant), vLLM reports that whole
+    step for each of the 12 when they finish; one at a time (first tokens a step apart and
+    more), each reports its own. Either way the cost learned is 20 us a token: the shared step
+    counted once (``Ledger.prefill_share``), where summing the 12 reports read it 12 times over
+    (the bias BENCHMARKS.md measured on ``vllm bench serve``'s burst)."""
+    now = [0.0]
+    ledger = Ledger(UniformBlocks(16), clock=lambda: now[0])
+    view = EngineView(ledger)
+    engine = Engine(base=0.010, per_token=2e-5)
+    view.update(engine.snap)
+    for _ in range(5):  # the decode step is learned first: 10 ms
+        now[0] += 0.5
+        view.update(engine.run(batch=12))
+    assert view.costs.decode_step_seconds == pytest.approx(0.010)
+    ask = project_counts((256,), requested_max_tokens=64, n=1, max_model_len=1024,
+                         blocks=UniformBlocks(16))  # fmt: skip
+    held = [ledger.reserve(ask, streamed=True) for _ in range(12)]
+    for k, res in enumerate(held):
+        now[0] = 10.0 + (0.0 if together else 0.05 * k)
+        ledger.start(res)
+    now[0] = 11.0
+    for res in held:
+        ledger.release(res)
+    step = 0.010
+    each = step + 2e-5 * (12 * 256 if together else 256)  # what vLLM reports for each request
+    s = engine.snap
+    snap = dataclasses.replace(
+        engine.run(batch=12),
+        prefill_seconds_sum=s.prefill_seconds_sum + 12 * each,
+        prefill_count=s.prefill_count + 12,
+        prompt_tokens_sum=s.prompt_tokens_sum + 12 * 256,
+        prompt_tokens_total=s.prompt_tokens_total + 12 * 256,
+    )
+    now[0] = 11.5
+    view.update(snap)
+    assert view.costs.prefill_seconds_per_token() == pytest.approx(2e-5, rel=0.01)
+    # without the share, the burst's step is counted once per request
+    alone = EngineCosts()
+    alone.update(s, snap)
+    unshared = alone.prefill_seconds_per_token()
+    assert unshared == pytest.approx(2e-5 * (12 if together else 1), rel=0.01)

@@ -927,6 +927,15 @@ def test_the_haproxy_overlay_serves_the_agent_the_shipped_config_asks(
     assert container_port(sidecar, port["targetPort"]) == settings.port
 
 
+def test_haproxy_retries_the_status_a_spilled_refusal_may_take() -> None:
+    """The shipped config retries a 503 (--spill-status 503: HAProxy 2.6 has no 429 in its
+    retry-on) only on another pod (redispatch), with the whole request read first."""
+    lines = [line.split("#", 1)[0].strip() for line in HAPROXY_CFG.read_text().splitlines()]
+    (retry_on,) = [line for line in lines if line.startswith("retry-on ")]
+    assert "503" in retry_on.split()
+    assert "option redispatch 1" in lines and "option http-buffer-request" in lines
+
+
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_the_learned_lengths_outlive_a_sidecar_restart(kustomization: str) -> None:
     """--lengths-file points into a mounted emptyDir (writable under the read-only root, kept

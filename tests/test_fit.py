@@ -366,3 +366,62 @@ def test_what_vllm_held_at_the_scrape_falls_by_what_ended_since() -> None:
     unstarted = ledger.reserve(proj(64, 100), streamed=True)
     ledger.release(unstarted)  # never started: vLLM held nothing for it that the scrape saw
     assert ledger.freed_total == 8 + 5 + 13
+
+
+@pytest.mark.parametrize(
+    ("running", "used", "fits_by_means"),
+    [
+        # two started 64-token prompts running to 128 tokens (4 blocks now, 12 at their ends):
+        # by their peaks the candidate makes 36 of 30, by their means (8 each) 24
+        ([Running(64, 128), Running(64, 128)], 8, True),
+        # the same, not started yet: their prompts count as held
+        ([Running(64, 128, generated=None), Running(64, 128, generated=None)], 0, True),
+        # vLLM holds 27 now: the candidate's prompt (4) does not fit beside it
+        ([Running(64, 128), Running(64, 128)], 27, False),
+        # three in flight: 32 by their means
+        ([Running(64, 128), Running(64, 128), Running(64, 128)], 12, False),
+    ],
+)
+def test_known_lengths_with_a_cheap_recompute_fit_by_their_means(
+    running: list[Running], used: int, fits_by_means: bool
+) -> None:
+    """30 blocks of budget, a 64-token prompt running to 128 tokens as the candidate: by the
+    laid-out peaks it never fits; ``averaged`` (``Ends.averaged``) admits it where every
+    request's mean over the rest of its trajectory fits and its prompt fits now."""
+    ledger = ledger_of(running)
+    pool = PoolState(capacity_blocks=30, used_blocks=used, external_blocks=0, stale=False)
+    cand = ledger.candidate(proj(64, 128), streamed=True)
+    assert not fits(ledger, cand, pool, headroom=0.0, strict=False)
+    assert fits(ledger, cand, pool, headroom=0.0, strict=False, averaged=True) is fits_by_means
+    assert not fits(ledger, cand, pool, headroom=0.0, strict=True, averaged=True)
+
+
+def test_no_mean_is_taken_while_an_answer_runs_past_its_reserved_end() -> None:
+    """A chat reserved to 200 of its 1,000 max_tokens has run to 250: where it ends is not known,
+    so no candidate is admitted by the means (30 blocks of budget; the same candidate fits by
+    them beside the chat at 100, within its end: 8 + 14 + 8 blocks)."""
+    for generated, fits_by_means in ((100, True), (250, False)):
+        ledger = ledger_of([Running(64, 128)])
+        chat = ledger.reserve(proj(64, 1000), streamed=True, ends=(200,))
+        ledger.start(chat)
+        ledger.advance(chat, generated)
+        assert ledger.overruns == (generated > 200)
+        pool = PoolState(capacity_blocks=30, used_blocks=16, external_blocks=0, stale=False)
+        cand = ledger.candidate(proj(64, 128), streamed=True)
+        assert not fits(ledger, cand, pool, headroom=0.0, strict=False)
+        averaged = fits(ledger, cand, pool, headroom=0.0, strict=False, averaged=True)
+        assert averaged is fits_by_means, generated
+
+
+def test_a_candidate_with_n_sequences_is_weighed_at_all_of_them_by_the_means() -> None:
+    """``n`` 2: the candidate's two sequences both count at their means. Beside one started
+    request of 64 tokens running to 128 (8 blocks at its mean), a single candidate (8 more)
+    fits a budget of 17 by the means; the same with n 2 (its reserved peak 24, its prompt 8
+    for the two sequences: 16 at the mean, 24 in all) does not."""
+    ledger = ledger_of([Running(64, 128)])
+    pool = PoolState(capacity_blocks=17, used_blocks=4, external_blocks=0, stale=False)
+    one = ledger.candidate(proj(64, 128), streamed=True)
+    two = ledger.candidate(proj(64, 128, n=2), streamed=True)
+    assert two.reserved_blocks == 2 * one.reserved_blocks
+    assert fits(ledger, one, pool, headroom=0.0, strict=False, averaged=True)
+    assert not fits(ledger, two, pool, headroom=0.0, strict=False, averaged=True)

@@ -6,23 +6,22 @@ shipped file as this machine's HAProxy (Debian's 2.6) parses it, including the p
 design rests on: that HAProxy's ``retry-on`` refuses 429.
 
 Real: a real HAProxy process on the shipped file (only its addresses, ports and socket path
-changed), two real sidecars in front of two fake vLLMs, and streams held open through one sidecar
-so that its KV budget fills: the weights HAProxy reports on its runtime API follow each sidecar's
-exported headroom, HAProxy routes new requests by them, down to the floor of 1% once requests
-queue, and back; SIGTERM on a sidecar
-holding a stream makes HAProxy put it in DRAIN and send new requests to the other; a sidecar
-whose vLLM stops answering is marked DOWN by its agent. With relay workers the owner serves the
-agent, from the admission state the workers' requests fill.
+changed, by ``harness.haproxy.local_config`` as in the fleet benchmark), two real sidecars in
+front of two fake vLLMs, and streams held open through one sidecar so that its KV budget fills:
+the weights HAProxy reports on its runtime API follow each sidecar's exported headroom, HAProxy
+routes new requests by them, down to the floor of 1% once requests queue, and back; SIGTERM on a
+sidecar holding a stream makes HAProxy put it in DRAIN and send new requests to the other; a
+sidecar whose vLLM stops answering is marked DOWN by its agent. With relay workers the owner
+serves the agent, from the admission state the workers' requests fill. Under ``--policy spill
+--spill-status 503`` a request refused by a full sidecar is retried by HAProxy on the other, and
+its client gets the 200.
 """
 
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
 import json
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +35,8 @@ import pytest
 
 from harness.exposition import metric_value
 from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
+from harness.haproxy import SHIPPED as HAPROXY_CFG
+from harness.haproxy import command, haproxy_binary, local_config, show_stat
 from harness.local import free_port
 from harness.workload import SidecarProcess
 from sidecar.http.agent import AgentServer, Room, agent_reply, weight_percent
@@ -43,8 +44,6 @@ from sidecar.http.lifecycle import ReadyCheck
 from sidecar.http.seams import Traffic
 from tests.support.wait import eventually, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
-HAPROXY_CFG = ROOT / "deploy" / "gateway" / "haproxy.cfg"
 #: The fake vLLM's pool: 64 blocks of 128 tokens, 63 of them for requests (vLLM's null block);
 #: the sidecar's budget is 95% of those, rounded down.
 BUDGET = 59
@@ -171,10 +170,10 @@ async def test_an_agent_port_that_cannot_be_bound_is_reported_not_started(
 
 
 def haproxy() -> str:
-    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
-    if found is None:
-        pytest.fail("haproxy is not installed: these tests need it (scripts/system-deps.sh)")
-    return found
+    try:
+        return haproxy_binary()
+    except RuntimeError as e:
+        pytest.fail(f"{e}: these tests need it")
 
 
 def _lines(text: str) -> list[str]:
@@ -207,6 +206,8 @@ def test_the_shipped_haproxy_config_is_valid_and_balances_on_the_agent(tmp_path:
     (retry_on,) = [line for line in lines if line.startswith("retry-on ")]
     assert "503" in retry_on.split() and "429" not in retry_on.split()
     assert "option redispatch 1" in lines
+    # without it 2.6 does not retry a request whose body came apart from its headers (httpx's)
+    assert "option http-buffer-request" in lines
 
 
 def test_the_kubernetes_form_in_the_shipped_comments_is_valid_too(tmp_path: Path) -> None:
@@ -303,27 +304,20 @@ class Pod:
 
 
 class HAProxy:
-    """The shipped haproxy.cfg run by a real HAProxy, its servers pointed at ``pods``."""
+    """The shipped haproxy.cfg run by a real HAProxy, its servers (``pod1``, ``pod2``, as
+    shipped) pointed at ``pods``."""
 
     def __init__(self, tmp_path: Path, pods: list[Pod]) -> None:
         self.port = free_port()
         self.socket_path = tmp_path / "admin.sock"
-        text = HAPROXY_CFG.read_text()
-        for n, pod in enumerate(pods, start=1):
-            shipped = f"10.0.0.1{n}:8080 port 9091 agent-port 9092"
-            assert text.count(shipped) == 1, shipped
-            sc = pod.sidecar
-            text = text.replace(
-                shipped, f"127.0.0.1:{sc.port} port {sc.metrics_port} agent-port {pod.agent_port}"
-            )
-        for shipped, ours in (
-            ("bind :8080", f"bind 127.0.0.1:{self.port}"),
-            ("stats socket /run/haproxy/admin.sock", f"stats socket {self.socket_path}"),
-        ):
-            assert text.count(shipped) == 1, shipped
-            text = text.replace(shipped, ours)
+        servers = {
+            f"pod{n}": (pod.sidecar.port, pod.sidecar.metrics_port, pod.agent_port)
+            for n, pod in enumerate(pods, start=1)
+        }
         self.cfg = tmp_path / "haproxy.cfg"
-        self.cfg.write_text(text)
+        self.cfg.write_text(
+            local_config(HAPROXY_CFG.read_text(), self.port, self.socket_path, servers)
+        )
         self.log_path = tmp_path / "haproxy.log"
         with open(self.log_path, "wb") as log:
             # -db: in the foreground, as in a container
@@ -335,30 +329,15 @@ class HAProxy:
     def _up(self) -> bool:
         assert self.proc.poll() is None, self.log_path.read_text()
         try:
-            self.command("show info")
+            command(self.socket_path, "show info")
         except OSError:
             return False
         return True
 
-    def command(self, line: str) -> str:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(5)
-            s.connect(str(self.socket_path))
-            s.sendall(line.encode() + b"\n")
-            chunks = []
-            while chunk := s.recv(65536):
-                chunks.append(chunk)
-        return b"".join(chunks).decode()
-
     def servers(self) -> dict[str, dict[str, str]]:
         """``show stat`` and ``show servers state`` merged, per server of the backend."""
-        stat = self.command("show stat").lstrip("# ")
-        out = {
-            row["svname"]: row
-            for row in csv.DictReader(io.StringIO(stat))
-            if row["pxname"] == "kv_sidecars" and row["svname"] not in ("BACKEND", "FRONTEND")
-        }
-        lines = self.command("show servers state kv_sidecars").splitlines()
+        out = show_stat(self.socket_path)
+        lines = command(self.socket_path, "show servers state kv_sidecars").splitlines()
         header = lines[1].lstrip("# ").split()
         for line in lines[2:]:
             if line.strip():
@@ -556,3 +535,66 @@ def test_with_relay_workers_the_owner_serves_the_agent(model_dir: Path) -> None:
         wait_for(lambda: ask() == b"drain\n", "drain on SIGTERM", WITHIN)
     finally:
         pod.close()
+
+
+def test_a_503_spilled_by_a_full_pod_is_retried_by_haproxy_on_the_other(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``--policy spill --spill-status 503`` behind the shipped file: a request the first pod
+    would queue for long (its held streams run ~1000 steps of ~1 s) is refused there with the
+    503 before its vLLM sees it, HAProxy retries it once on the other pod (``retry-on ... 503``,
+    ``option redispatch 1``), and the client gets that pod's 200. The agent's weights send the
+    first pod some of them (59 of 159: its three streams leave it 59% of its budget), and each of
+    those is answered by the second."""
+    made: list[Pod] = []
+    gateway: HAProxy | None = None
+    try:
+        made.extend(Pod(model_dir, "--policy", "spill", "--spill-status", "503") for _ in range(2))
+        for pod in made:
+            pod.sidecar.start()
+        a, b = made
+        b.fake.token_delay = 0.0
+        gateway = HAProxy(tmp_path, made)
+        gateway.wait_checked()
+        a.hold(3)
+        wait_for(lambda: a.state()["in_flight"] == 3, "three streams on the first pod", WITHIN)
+        # five sequences of 8 blocks: 40 do not fit beside the first pod's 24 of 59, and fit
+        # in the second's empty pool
+        big = {"model": "tiny", "prompt": "hi", "max_tokens": 1000, "n": 5}
+        # vLLM's running gauge: with it, the first pod learns its step time from the token
+        # counter; until then spill queues (cold), and a probe sent to it straight gives up
+        a.fake.running = 3
+
+        def spills_at_once() -> bool:
+            direct = f"http://127.0.0.1:{a.sidecar.port}/v1/completions"
+            try:
+                probe = httpx.post(direct, json=big, timeout=1.0)
+            except httpx.TimeoutException:
+                return False  # queued, cold: its client gone, it leaves the queue
+            return probe.status_code == 503
+
+        wait_for(spills_at_once, "the first pod refuses it at once: its step is known", WITHIN)
+        probes = metric_value(
+            a.sidecar.metrics(), "kv_sidecar_requests_total", decision="reject", reason="spilled"
+        )
+        wait_for(lambda: gateway.weights() == (59, 100), "HAProxy sees 59% and 100%", WITHIN)
+        before = [len(p.fake.generations()) for p in made]
+        url = f"http://127.0.0.1:{gateway.port}/v1/completions"
+        with httpx.Client(timeout=WITHIN) as client:
+            for _ in range(8):
+                reply = client.post(url, json=big)
+                assert reply.status_code == 200, reply.text
+        assert _served_by(made, before) == [0, 8]
+        spilled = metric_value(
+            a.sidecar.metrics(), "kv_sidecar_requests_total", decision="reject", reason="spilled"
+        )
+        assert probes is not None and spilled is not None
+        spilled -= probes
+        assert spilled >= 1, spilled
+        backend = show_stat(gateway.socket_path)["pod1"]
+        assert int(backend["wredis"]) == spilled, backend  # each redispatched, once
+    finally:
+        if gateway is not None:
+            gateway.close()
+        for pod in made:
+            pod.close()

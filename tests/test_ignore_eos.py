@@ -1,5 +1,6 @@
 """Requests that set ``ignore_eos`` (as vLLM's benchmark client, and most load generators, send
-them): each answer runs to its max_tokens, so the sidecar reserves all of it in every mode, never
+them): each answer runs to its max_tokens, so the sidecar reserves all of it (in adaptive mode
+unless running it now pays even for a certain recompute, as vLLM risks it), never
 learns their lengths as if they had ended naturally, and never tells Retry-After that one ends
 where its class's answers usually end. And ``min_tokens``: an answer at least that long is never
 reserved less.
@@ -10,17 +11,20 @@ tokens reaches 8 blocks."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
+from sidecar.admission.costs import PRIOR_FIXED_SHARE
+from sidecar.admission.ends import COLD_OUTPUT_TOKENS
 from sidecar.admission.learner import LengthLearner, request_class
 from sidecar.counting.request import parse_generation
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import Projection, project_counts
-from tests.support.snapshots import Clock, snapshot
+from tests.support.snapshots import Clock, snapshot, teach_costs
 
 BLOCKS = UniformBlocks(128)
 PLAIN = request_class("completions", 700)
@@ -68,22 +72,58 @@ def test_ignore_eos_is_read_as_vllm_reads_it(body: dict[str, object], ignore_eos
     assert klass == (EOS if ignore_eos else PLAIN)
 
 
-@pytest.mark.parametrize("reservation", ["adaptive", "expected", "worst-case"])
-def test_an_ignore_eos_request_is_reserved_to_its_max_tokens_in_every_mode(
-    reservation: str,
+@pytest.mark.parametrize(
+    ("reservation", "engine"),
+    [("expected", None), ("worst-case", None), ("adaptive", "dear"), ("adaptive", "wide")],
+)
+def test_an_ignore_eos_request_is_reserved_to_its_max_tokens(
+    reservation: str, engine: str | None
 ) -> None:
+    """Its class's short answers never shorten it. Adaptive mode on an engine where running
+    it saves less than even a certain recompute costs: ``dear``, a 29.2 ms step of 64
+    sequences, 34% of it fixed, and 0.3 ms a prompt token (the recompute of 1,000 tokens ~10
+    steps, the gain of 700 tokens in the batch ~3.7); ``wide``, a 20.2 ms step of 512
+    sequences, 49% fixed, and 20 us a prompt token (a recompute of ~1 step, a gain of ~0.7)."""
     clock = Clock()
     ac = controller(clock, reservation)
+    if engine is not None:
+        running, per_token = {"dear": (64, 3e-4), "wide": (512, 2e-5)}[engine]
+        teach_costs(ac, clock, snapshot(clock), per_token=per_token, running=running)
     teach_short_answers(ac)  # its class's answers end at 40-59 tokens
     assert ac.ends(proj(), EOS) == (700,)
     if reservation != "worst-case":
         assert ac.ends(proj(), PLAIN)[0] < 700  # the same request without ignore_eos
-    # 8 blocks each: 7 fit in a budget of 63, not the dozens its class's short answers let in
+    # 8 blocks each: 7 fit in a budget of 63, not the dozens its class's short answers let in;
+    # adaptive mode, where the recompute is cheap (about a decode step on the wide engine),
+    # takes them at their trajectories' means (5.5 blocks each, from the prompt's 3 to the
+    # peak's 8: Ends.averaged): 11, still not the dozens
+    admitted = 0
+    while (d := ac.try_admit(Ask(proj(), streamed=True, klass=EOS))) is not None:
+        assert d.admitted
+        assert d.reservation is not None and d.reservation.reserved_blocks == 8
+        admitted += 1
+    assert admitted == (11 if engine == "wide" else 7)
+
+
+def test_a_cold_adaptive_sidecar_risks_an_ignore_eos_request_from_the_floor() -> None:
+    """Cold, the decode step's fixed share is the prior's half (``PRIOR_FIXED_SHARE``): one
+    sequence more in a batch of k saves 700 x 0.5 / k decode steps, more than the recompute of
+    its 1,000 tokens costs by the prior (about one step) for any batch this pool holds, so it is
+    risked as vLLM risks it, from the floor (``COLD_OUTPUT_TOKENS``) widened as it decodes, and
+    laid out by the floor's peak: 5 blocks each (300 + 256 tokens), 12 in the budget of 63
+    where its max_tokens' 8 blocks let 7 in."""
+    clock = Clock()
+    ac = controller(clock, "adaptive")
+    costs = ac.pools[0].view.costs
+    assert costs.fixed_share() is None
+    assert costs.gain_steps(700, 15) == pytest.approx(700 * PRIOR_FIXED_SHARE / 15)
+    assert costs.gain_steps(700, 15) > costs.recompute_steps(1000)
+    assert ac.ends(proj(), EOS) == (COLD_OUTPUT_TOKENS,)
     admitted = 0
     while (d := ac.try_admit(Ask(proj(), streamed=True, klass=EOS))) is not None:
         assert d.admitted
         admitted += 1
-    assert admitted == 7
+    assert admitted == 63 // math.ceil((300 + COLD_OUTPUT_TOKENS) / 128)
 
 
 def test_an_ignore_eos_answer_teaches_the_learner_nothing() -> None:

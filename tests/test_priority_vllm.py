@@ -3,15 +3,16 @@ goes ahead of a batch tenant's queued burst.
 
 The sidecar's budget holds one request at a time (``--headroom`` from the pool, as
 test_lifecycle sizes it), so a burst of batch requests (tenant ``batch``, priority 10 by
-``--priority-rules``) runs one by one and the rest queue. Once at least three are queued, an
-interactive request arrives through the official ``openai`` client, of the same tenant (so no
-fair share between tenants orders it) but priority 0 by its ``x-kv-sidecar-priority`` header,
-which comes before the rules. The queue tries the best priority first, so it is admitted at the
-next release: at most two answers end between its arrival and its own end (the one running, and
-one that may have been admitted in the moment before it arrived), where FIFO would end it last
-(with the rule at priority 0 it does: checked by hand, the test then fails with the chat last).
-Nothing here depends on how fast vLLM decodes: the order of admissions is the sidecar's, one at
-a time.
+``--priority-rules``) runs one by one and the rest queue. vLLM's engine is stopped while they
+arrive (``frozen_engine``): one is admitted and five queue, and then an interactive request
+arrives through the official ``openai`` client, of the same tenant (so no fair share between
+tenants orders it) but priority 0 by its ``x-kv-sidecar-priority`` header, which comes before
+the rules. Once it is queued too, the engine runs again. The queue tries the best priority
+first, so the interactive request is admitted at the first release and ends second, where FIFO
+would end it last (with the rule at priority 0 it does: checked by hand, the test then fails
+with the chat last). Nothing here depends on how fast vLLM decodes or on when the host gets
+to the client: every request is in the sidecar's queue before a token is made, and the order
+of admissions is the sidecar's, one at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from openai.types import Completion
 
 from harness.exposition import metric_value
 from harness.workload import SidecarProcess, make_prompts, one_completion
@@ -60,36 +62,36 @@ async def test_an_interactive_request_is_admitted_ahead_of_a_queued_batch_burst(
                 finished.append(f"batch-{k}")
                 return r.status
 
-            burst = [asyncio.ensure_future(batch_one(k)) for k in range(BATCH)]
-            deadline = time.monotonic() + 120
-            while True:  # until the whole burst is in, three or more of it queued
-                state = (await client.get(sc.metrics_url + "/state")).json()
-                metrics = (await client.get(sc.metrics_url + "/metrics")).text
-                admitted = metric_value(metrics, "kv_sidecar_requests_total", decision="admit")
-                if (admitted or 0) + state["queue_depth"] == BATCH and state["queue_depth"] >= 3:
-                    break
-                assert time.monotonic() < deadline, f"the burst never queued: {state}"
-                await asyncio.sleep(0.02)
-            ended_before = len(finished)
             chat = AsyncOpenAI(base_url=sc.url + "/v1", api_key="sk-interactive", max_retries=0)
-            answer = await chat.completions.create(
-                model=vllm.served_name,
-                prompt=prompts[BATCH],
-                max_tokens=max_tokens,
-                extra_body={"ignore_eos": True},
-                # the batch tenant's own: the priority alone puts it first, not a fair share
-                extra_headers={"x-kv-sidecar-tenant": "batch", "x-kv-sidecar-priority": "0"},
-            )
-            finished.append("chat")
-            await chat.close()
+
+            async def interactive() -> Completion:
+                answer = await chat.completions.create(
+                    model=vllm.served_name,
+                    prompt=prompts[BATCH],
+                    max_tokens=max_tokens,
+                    extra_body={"ignore_eos": True},
+                    # the batch tenant's own: the priority alone puts it first, not a fair share
+                    extra_headers={"x-kv-sidecar-tenant": "batch", "x-kv-sidecar-priority": "0"},
+                )
+                finished.append("chat")
+                return answer
+
+            async def settled(in_flight: int, queued: int) -> None:
+                await _settled(client, sc.metrics_url, in_flight, queued)
+
+            with frozen_engine(vllm):
+                burst = [asyncio.ensure_future(batch_one(k)) for k in range(BATCH)]
+                await settled(1, BATCH - 1)
+                asked = asyncio.ensure_future(interactive())
+                await settled(1, BATCH)
+            answer = await asked
             statuses = await asyncio.gather(*burst)
+            await chat.close()
         metrics = sc.metrics()
     assert statuses == [200] * BATCH
     assert answer.usage is not None and answer.usage.completion_tokens == max_tokens
-    at = finished.index("chat")
-    # FIFO would end it last (at BATCH); first by priority, it waits for one answer at most
-    assert at <= ended_before + 2, (ended_before, finished)
-    assert at < BATCH
+    # FIFO would end it last; first by priority, it waits only for the one running
+    assert finished.index("chat") == 1, finished
     assert (
         metric_value(
             metrics, "kv_sidecar_class_requests_total", priority="10", tenant="batch",
@@ -131,14 +133,8 @@ async def test_the_priority_reserve_starts_an_interactive_request_beside_a_batch
                     client, sc.url, prompt, max_tokens, vllm.served_name, tenant
                 )
 
-            async def settled(in_flight: int, queued: int) -> dict[str, object]:
-                deadline = time.monotonic() + 60
-                while True:
-                    state = (await client.get(sc.metrics_url + "/state")).json()
-                    if (state["in_flight"], state["queue_depth"]) == (in_flight, queued):
-                        return dict(state)
-                    assert time.monotonic() < deadline, (in_flight, queued, state)
-                    await asyncio.sleep(0.05)
+            async def settled(in_flight: int, queued: int) -> None:
+                await _settled(client, sc.metrics_url, in_flight, queued)
 
             with frozen_engine(vllm):
                 burst = [asyncio.ensure_future(send(p, "batch")) for p in prompts[:5]]
@@ -174,3 +170,16 @@ async def _tenant_completion(
         async for _ in r.aiter_lines():
             pass
         return r.status_code
+
+
+async def _settled(
+    client: httpx.AsyncClient, metrics_url: str, in_flight: int, queued: int
+) -> None:
+    """Waits until the sidecar has ``in_flight`` requests at vLLM and ``queued`` in its queue."""
+    deadline = time.monotonic() + 60
+    while True:
+        state = (await client.get(metrics_url + "/state")).json()
+        if (state["in_flight"], state["queue_depth"]) == (in_flight, queued):
+            return
+        assert time.monotonic() < deadline, (in_flight, queued, state)
+        await asyncio.sleep(0.02)

@@ -1,7 +1,11 @@
 """``--policy spill``: a request that does not fit is queued when its expected wait here (the
 trajectories' steps behind the queue, times the learned step time) is at most ``--spill-wait``,
 refused at once with 429 ``spilled`` and a Retry-After when it is longer or cannot be bounded, and
-queued while the step time is not known (cold)."""
+queued while the step time is not known (cold). A request queued under spill is judged again
+each time the queue is tried (the pump, after every scrape and release), with the requests
+queued before it ahead, and handed back with ``spilled`` and a Retry-After once its expected
+wait is over half again ``--spill-wait``: never the next to be admitted, never on a cold pool,
+never for a wait over the threshold by less than the margin."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import pytest
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.decisions import REFUSALS, Decision, Outcome, Reason
+from sidecar.admission.spill import REJUDGE_MARGIN
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
 from sidecar.kv.projection import Projection, project_counts
@@ -168,3 +173,126 @@ def test_the_settings_reach_the_controller() -> None:
     sidecar = Sidecar(Settings(policy="spill", spill_wait=7.5))  # type: ignore[arg-type]
     assert sidecar.admission.policy is Policy.spill
     assert sidecar.admission.spill_wait == 7.5
+
+
+# --- the pure core: re-judging the queue -------------------------------------------------------
+
+#: --spill-wait of these tests: the three queued requests' waits at 20 ms a step (1.0, 1.48 and
+#: 2.48 s) are all under it at arrival; the bar for handing one back is half again: 3.75 s
+SPILL_WAIT = 2.5
+
+
+async def three_queued(
+    clock: Clock, *, small: bool = False
+) -> tuple[AdmissionController, list[asyncio.Task[Decision]], Decision | None]:
+    """Seven streams in flight ending in 50, 74 and (five of them) 124 steps, and three requests
+    of 8 blocks queued behind them: the first fits after 50 steps, the first two after 74, all
+    three after 124 (20 ms a step). ``small``: a one-block request admitted and started before
+    them too (it ends in 5 steps), returned for the test to release."""
+    ac = controller(clock, spill_wait=SPILL_WAIT, max_queue_wait=60)
+    extra = None
+    if small:
+        extra = ac.try_admit(Ask(proj(10, 10), streamed=True))
+        assert extra is not None and extra.reservation is not None
+        ac.started(extra.reservation)
+        ac.progressed(extra.reservation, 5)
+    run_seven(ac, clock, (874, 850) + (800,) * 5)
+    tasks = []
+    for key in (1, 2, 3):
+        ask = Ask(BIG, streamed=True, key=key)
+        assert ac.try_admit(ask) is None  # queued: its wait is under --spill-wait
+        tasks.append(asyncio.create_task(ac.wait(ask)))
+        await asyncio.sleep(0)
+    queued = ac.queue.waiting()
+    assert [w.ask.key for w in queued] == [1, 2, 3]
+    # each judged with only those before it ahead (the arrival form counts every other waiter)
+    assert [ac.expected_waits(w.ask, before=w.seq)[0].steps for w in queued] == [50, 74, 124]
+    assert ac.expected_waits(queued[1].ask)[0].steps == 124
+    return ac, tasks, extra
+
+
+def keys_queued(ac: AdmissionController) -> list[int | None]:
+    return [w.ask.key for w in ac.queue.waiting()]
+
+
+async def test_a_queued_request_whose_wait_grows_past_the_bar_is_handed_back() -> None:
+    """The step time doubles (20 to 40 ms): the last one's wait is 4.96 s, over the 3.75 s bar,
+    and it is refused ``spilled`` with a Retry-After; the second's is 2.96 s, over --spill-wait
+    but not by half again, and it stays, as the first, the next to be admitted."""
+    clock = Clock()
+    ac, tasks, _ = await three_queued(clock)
+    view = ac.pools[0].view
+    ac.pump()  # as after a scrape: every wait still under --spill-wait
+    assert keys_queued(ac) == [1, 2, 3]
+
+    view.seconds_per_step = 0.04
+    assert SPILL_WAIT < 74 * 0.04 < SPILL_WAIT * (1 + REJUDGE_MARGIN) < 124 * 0.04
+    clock.now += 0.5
+    ac.pump()
+    assert keys_queued(ac) == [1, 2]
+    handed = await asyncio.wait_for(tasks[2], 5)
+    assert handed.outcome is Outcome.REJECT and handed.reason is Reason.SPILLED
+    assert "handed back before vLLM saw it" in handed.message and "4.96" not in handed.message
+    assert "is now 5.0s" in handed.message and "--spill-wait" in handed.message
+    assert handed.retry_after is not None and handed.retry_after >= 1.0
+    assert handed.waited_seconds == pytest.approx(0.5)
+    assert ac.queue_depth == 2
+    for task in tasks[:2]:
+        assert not task.done()
+        task.cancel()
+
+
+async def test_the_next_to_be_admitted_is_never_handed_back() -> None:
+    """At 100 ms a step every wait is over the bar (5, 7.4 and 12.4 s): the two behind are
+    handed back, the first, which the queue tries next, keeps its place."""
+    clock = Clock()
+    ac, tasks, _ = await three_queued(clock)
+    ac.pools[0].view.seconds_per_step = 0.1
+    ac.pump()
+    assert keys_queued(ac) == [1]
+    for task in tasks[1:]:
+        assert (await asyncio.wait_for(task, 5)).reason is Reason.SPILLED
+    assert not tasks[0].done()
+    tasks[0].cancel()
+
+
+async def test_a_cold_pool_hands_nothing_back() -> None:
+    """No step time (as before vLLM generated a token): the waits cannot be told in seconds,
+    and nothing is handed back; once the step is known again, the long one is."""
+    clock = Clock()
+    ac, tasks, _ = await three_queued(clock)
+    view = ac.pools[0].view
+    view.seconds_per_step = None
+    ac.pump()
+    assert keys_queued(ac) == [1, 2, 3]
+    view.seconds_per_step = 0.1
+    ac.pump()
+    assert keys_queued(ac) == [1]
+    for task in tasks:
+        task.cancel()
+
+
+async def test_a_release_tries_the_queue_and_judges_it_again() -> None:
+    """A release (here a small request's, which makes no room for the first) is a try of the
+    queue: the waits are judged again then, not only at the next scrape."""
+    clock = Clock()
+    ac, tasks, small = await three_queued(clock, small=True)
+    assert small is not None and small.reservation is not None
+    ac.pools[0].view.seconds_per_step = 0.1  # learned at a scrape; no try of the queue yet
+    assert keys_queued(ac) == [1, 2, 3]
+    ac.release(small.reservation, 10)
+    assert keys_queued(ac) == [1]
+    for task in tasks:
+        task.cancel()
+
+
+async def test_the_queue_policy_hands_nothing_back() -> None:
+    """Only --policy spill re-judges: the same queue under --policy queue keeps waiting."""
+    clock = Clock()
+    ac, tasks, _ = await three_queued(clock)
+    ac.policy = ac.policy.queue
+    ac.pools[0].view.seconds_per_step = 0.1
+    ac.pump()
+    assert keys_queued(ac) == [1, 2, 3]
+    for task in tasks:
+        task.cancel()

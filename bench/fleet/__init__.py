@@ -25,7 +25,10 @@ sent at once) goes through these configurations:
   ``x-bench-id`` capture for its log and its servers (three of weight 100 for replica A, one for
   B: 3:1 as nginx's), to one sidecar per vLLM with ``--policy queue`` and its agent on
   (``--agent-port``): HAProxy asks each agent every second and sets the server's weight to the
-  share of the KV budget left free; it retries a 503 or a failed connection once, never a 429.
+  share of the KV budget left free; it retries a 503 or a failed connection once, never a 429;
+- ``sidecar-spill-2-haproxy``: the same behind HAProxy, with the sidecars on ``--policy spill
+  --spill-wait 2 --spill-status 503`` (a spilled request, at arrival or handed back from the
+  queue, is answered 503, which HAProxy retries once on another server).
 
 The nginx configuration is the same in all the nginx ones (the retry directives only act on 429,
 503 and errors). Figures per replica: vLLM's preemptions, requests served (nginx's access log, or

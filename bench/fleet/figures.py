@@ -97,11 +97,16 @@ def room(sample: dict[str, Any], replica: str, peak: int) -> bool | None:
     return bool(budget - committed - queued >= peak)
 
 
+#: the statuses of a refusal that carries the sidecar's Retry-After (as the gateway logs them)
+_REFUSED = ("429", "503")
+
+
 def retry_after_at_cap(run: dict[str, Any]) -> dict[str, Any]:
-    """The 429s the client saw whose Retry-After was at the sidecar's cap (``MAX_RETRY_AFTER``),
-    and of those, how many came while the other replica's sidecar had room (:func:`room`, in
-    the sample nearest in time to the refusal) and while any replica's did. The replica that
-    refused is the one the gateway's log names for that request's 429s, in order."""
+    """The refusals the client saw (429s, and 503s: ``--spill-status 503`` answers a spilled
+    request with one) whose Retry-After was at the sidecar's cap (``MAX_RETRY_AFTER``), and of
+    those, how many came while the other replica's sidecar had room (:func:`room`, in the sample
+    nearest in time to the refusal) and while any replica's did. The replica that refused is the
+    one the gateway's log names for that request's refusals, in order."""
     peak = request_peak_blocks(run)
     # samples with the clock and at least one sidecar's figures (none: direct, or an older run)
     samples = [
@@ -109,7 +114,7 @@ def retry_after_at_cap(run: dict[str, Any]) -> dict[str, Any]:
     ]
     log_429: dict[str, list[str]] = {}
     for line in gateway_log(run):
-        if line.get("status") == "429":
+        if line.get("status") in _REFUSED:
             last = line.get("upstream", "").split(",")[-1].strip()
             log_429.setdefault(line.get("id", ""), []).append(run["port_to_replica"].get(last, "?"))
     at_cap = other_room = any_room = 0
@@ -117,7 +122,7 @@ def retry_after_at_cap(run: dict[str, Any]) -> dict[str, Any]:
     gaps: list[float] = []
     for o in run["outcomes"]:
         refused = log_429.get(str(o["id"]), [])
-        for k, r in enumerate(x for x in o.get("refusals", []) if x["status"] == 429):
+        for k, r in enumerate(x for x in o.get("refusals", []) if str(x["status"]) in _REFUSED):
             seconds = retry_after_seconds(r)
             if seconds is None or seconds < MAX_RETRY_AFTER:
                 continue

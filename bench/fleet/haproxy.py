@@ -4,7 +4,9 @@ machine's HAProxy; its log read into the lines the figures read from nginx's, an
 API sampled for the weights the sidecars' agents set.
 
 What :func:`haproxy_conf` changes in the shipped file, and nothing else (each change is checked
-to match exactly once, so a change to the shipped file that moves one fails the run loudly):
+to match exactly once, so a change to the shipped file that moves one fails the run loudly; all
+but the id capture are :func:`harness.haproxy.local_config`'s, the rewrite the test of the
+shipped file runs too):
 
 - ``bind :8080`` -> ``bind 127.0.0.1:<free port>``;
 - ``stats socket /run/haproxy/admin.sock`` -> a socket in the run's temporary directory;
@@ -23,11 +25,8 @@ to match exactly once, so a change to the shipped file that moves one fails the 
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,31 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import terminate
-from harness.bench_util import ROOT
+from harness.haproxy import SHIPPED, haproxy_binary, local_config, replace_once, show_stat
 from harness.local import free_port
-
-SHIPPED = ROOT / "deploy" / "gateway" / "haproxy.cfg"
-BACKEND = "kv_sidecars"
-#: The shipped server lines, each replaced (``@SERVERS@``) by the bench's.
-_SHIPPED_SERVERS = re.compile(r"(?m)^\s*server pod1 .*\n\s*server pod2 .*$")
-
-
-def haproxy_binary() -> str:
-    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
-    if found is None:
-        raise RuntimeError("haproxy is not installed (scripts/system-deps.sh)")
-    return found
 
 
 def server_names(weights: dict[str, int]) -> dict[str, str]:
     """HAProxy server name -> replica: ``weights[r]`` servers per replica (``A1``, ``A2``...)."""
     return {f"{name}{i}": name for name, w in weights.items() for i in range(1, w + 1)}
-
-
-def _replace_once(text: str, old: str, new: str) -> str:
-    if text.count(old) != 1:
-        raise RuntimeError(f"{SHIPPED}: expected {old!r} exactly once")
-    return text.replace(old, new)
 
 
 def haproxy_conf(
@@ -72,24 +53,13 @@ def haproxy_conf(
     """The shipped file with the bench's address, socket, id capture and servers.
 
     ``backends``: replica -> (sidecar port, its metrics port (health check), its agent port)."""
-    text = _replace_once(shipped, "bind :8080", f"bind 127.0.0.1:{port}")
-    text = _replace_once(
-        text,
+    text = replace_once(
+        shipped,
         "    default_backend kv_sidecars",
         "    capture request header x-bench-id len 16\n    default_backend kv_sidecars",
     )
-    text = _replace_once(
-        text, "stats socket /run/haproxy/admin.sock", f"stats socket {socket_path}"
-    )
-    lines = []
-    for server, replica in server_names(weights).items():
-        sc_port, metrics_port, agent_port = backends[replica]
-        lines.append(
-            f"    server {server} 127.0.0.1:{sc_port} port {metrics_port} agent-port {agent_port}"
-        )
-    if len(_SHIPPED_SERVERS.findall(text)) != 1:
-        raise RuntimeError(f"{SHIPPED}: expected the two server lines pod1 and pod2")
-    return _SHIPPED_SERVERS.sub(lambda _: "\n".join(lines), text)
+    servers = {server: backends[replica] for server, replica in server_names(weights).items()}
+    return local_config(text, port, socket_path, servers)
 
 
 # --- the log ------------------------------------------------------------------------------------
@@ -197,24 +167,9 @@ class HAProxy:
             for r in rows.values()
         )
 
-    def command(self, line: str) -> str:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(5)
-            s.connect(str(self.socket_path))
-            s.sendall(line.encode() + b"\n")
-            chunks = []
-            while chunk := s.recv(65536):
-                chunks.append(chunk)
-        return b"".join(chunks).decode()
-
     def stat(self) -> dict[str, dict[str, str]]:
         """``show stat`` for the backend's servers, by server name."""
-        text = self.command("show stat").lstrip("# ")
-        return {
-            row["svname"]: row
-            for row in csv.DictReader(io.StringIO(text))
-            if row["pxname"] == BACKEND and row["svname"] not in ("BACKEND", "FRONTEND")
-        }
+        return show_stat(self.socket_path)
 
     def sample(self) -> dict[str, Any]:
         """What the sampler keeps of ``show stat``: per server its weight (the agent's), state,

@@ -28,6 +28,7 @@ COLORS = {
     "sidecar-spill-5": "tab:brown",
     "sidecar-spill-15": "tab:olive",
     "sidecar-queue-haproxy": "tab:cyan",
+    "sidecar-spill-2-haproxy": "tab:pink",
 }
 
 
@@ -229,10 +230,13 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
                 "socket, a capture of the request id for its log, and its servers: three "
                 "(weight 100 each) for replica A's sidecar and one for B's, so 3:1 as nginx's "
                 "until the sidecars' agents (`--agent-port`, asked every second) lower a weight "
-                "(`bench/fleet/haproxy.py`; the exact file is in the raw JSON).",
+                "(`bench/fleet/haproxy.py`; the exact file is in the raw JSON). "
+                "`sidecar-spill-2-haproxy`: the same with the sidecars on `--policy spill "
+                "--spill-wait 2 --spill-status 503`, so that HAProxy retries a spilled request "
+                "once on another server.",
                 "",
             ]
-            if "sidecar-queue-haproxy" in figs
+            if any(c.endswith("-haproxy") for c in figs)
             else []
         ),
         "**Per configuration** (median over repetitions, every repetition in brackets; "

@@ -48,10 +48,11 @@ CONFIGS = [
     "sidecar-reject",
     *(f"sidecar-spill-{s}" for s in SPILL_WAITS),
     "sidecar-queue-haproxy",
+    "sidecar-spill-2-haproxy",
 ]
 #: configurations whose gateway is HAProxy on deploy/gateway/haproxy.cfg (bench.fleet.haproxy),
 #: their sidecars with the agent on; the others are behind nginx
-HAPROXY_CONFIGS = ("sidecar-queue-haproxy",)
+HAPROXY_CONFIGS = ("sidecar-queue-haproxy", "sidecar-spill-2-haproxy")
 #: the state fields the sampler keeps of each sidecar's /state
 STATE_FIELDS = (
     "queue_depth",
@@ -307,10 +308,12 @@ def sidecar_counters(sidecar: SidecarProcess) -> dict[str, Any]:
 
 def sidecar_flags(config: str) -> list[str]:
     """The flags of a ``sidecar-*`` configuration's sidecars (``sidecar-spill-S``: ``--policy
-    spill --spill-wait S``)."""
+    spill --spill-wait S``; behind HAProxy, which retries a 503 but not a 429, ``--spill-status
+    503`` too)."""
     policy = config.removeprefix("sidecar-").removesuffix("-haproxy")
     if policy.startswith("spill-"):
-        return [*queue_flags("spill"), "--spill-wait", policy.removeprefix("spill-")]
+        flags = [*queue_flags("spill"), "--spill-wait", policy.removeprefix("spill-")]
+        return flags + (["--spill-status", "503"] if config in HAPROXY_CONFIGS else [])
     return queue_flags(policy)
 
 

@@ -72,6 +72,9 @@ class KVState:
     prefill_tokens_per_step: float | None = None
     step_fixed_share: float | None = None
     batch_gain_steps_per_token: float | None = None
+    #: seconds of prefill forwarded and not yet presumed done, summed over the engines
+    #: (``sidecar.admission.pacing``: what ``--priority-pace`` holds positive priorities to)
+    prefill_backlog_seconds: float = 0.0
     # per priority and tenant (``sidecar.admission.class_stats``: bounded labels)
     #: (priority, tenant, decision) -> requests decided since the sidecar started
     class_decisions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)

@@ -47,11 +47,12 @@ from sidecar.admission.fit import (
     room_blocks,
 )
 from sidecar.admission.learner import LengthLearner
+from sidecar.admission.pacing import PacedPools
 from sidecar.admission.pools import Pool, Pools, pool_state
 from sidecar.admission.queue import WaitQueue
 from sidecar.admission.retry import MIN_RETRY_AFTER
 from sidecar.admission.second_opinion import SecondOpinion
-from sidecar.admission.spill import Estimate, first_token, judge
+from sidecar.admission.spill import Estimate, first_token, hand_back, judge
 from sidecar.admission.tenants import TenantUsage
 from sidecar.admission.waits import expected_wait, prefill_seconds, retry_in
 from sidecar.config import Policy, ReservationMode, StalePolicy
@@ -61,6 +62,10 @@ from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import Projection
 
 log = logging.getLogger("sidecar.admission")
+
+#: where a paced request waits in the queue (under reject it would be refused, under observe
+#: nothing is held)
+_PACED_POLICIES = frozenset({Policy.queue, Policy.spill})
 
 
 class AdmissionController:
@@ -87,6 +92,7 @@ class AdmissionController:
         tenant_max_share: float = 1.0,
         tenant_max_queue: int | None = None,
         priority_reserve: float = 0.0,
+        priority_pace: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = Policy(policy)
@@ -116,6 +122,9 @@ class AdmissionController:
         #: (``--priority-reserve``), less what priority 0 and better hold there themselves
         self.priority_reserve = priority_reserve
         self._favoured: dict[str, int] = {}  # engine -> blocks reserved by priority <= 0
+        #: seconds of prefill a request of a positive priority may find ahead of it in vLLM's
+        #: queue (``--priority-pace``, ``sidecar.admission.pacing``; 0: not paced)
+        self.pacing = PacedPools(priority_pace, self.pump, clock=clock)
         self._queue = WaitQueue(self._admit_head, clock=clock, tenants=self.tenants)
         self.class_stats = ClassStats()  # decisions and waits per priority and tenant
         self._snapshot: EngineSnapshot | None = None
@@ -242,7 +251,7 @@ class AdmissionController:
         return max(0, kept - self._favoured.get(pool.engine, 0))
 
     def _fits(self, pool: Pool, candidate: Reservation, stale: bool, priority: int = 0) -> bool:
-        risked = self._risked(pool, candidate)
+        risked, averaged = self._routes(pool, candidate)
         if not fits(
             pool.ledger,
             candidate,
@@ -251,6 +260,7 @@ class AdmissionController:
             strict=self.reservation_mode is ReservationMode.worst_case,
             reserve_blocks=self.reserve_blocks(pool, priority),
             risked=risked,
+            averaged=averaged,
         ) and (risked or not self._second_opinion(pool, candidate, stale, priority)):
             return False
         if self.tpot_target is not None:
@@ -281,15 +291,16 @@ class AdmissionController:
             priority=priority,
         )
 
-    def _risked(self, pool: Pool, candidate: Reservation) -> bool:
+    def _routes(self, pool: Pool, candidate: Reservation) -> tuple[bool, bool]:
         """Whether adaptive mode admits ``candidate`` as vLLM admits (``Ends.risked``: its
-        batch gain pays even for a certain recompute), every prompt of it."""
-        costs = pool.view.costs
-        projection = candidate.projection
-        return all(
-            self.reserving.risked(candidate.klass, p, m, costs)
-            for p, m in zip(projection.prompt_tokens, projection.max_tokens, strict=True)
-        )
+        batch gain pays even for a certain recompute), and else whether by its trajectory's
+        mean (``Ends.averaged``: known lengths, a cheap recompute), every prompt of it."""
+        costs, klass, p = pool.view.costs, candidate.klass, candidate.projection
+        pairs = list(zip(p.prompt_tokens, p.max_tokens, strict=True))
+        if all(self.reserving.risked(klass, n, m, costs) for n, m in pairs):
+            return True, False
+        batch = len(pool.ledger) + 1
+        return False, all(self.reserving.averaged(klass, n, m, costs, batch) for n, m in pairs)
 
     # --- placing ----------------------------------------------------------------------------
 
@@ -331,16 +342,27 @@ class AdmissionController:
         if self.tenants.capped(ask.tenant):
             return None  # its tenant holds --tenant-max-share of the budget: others go first
         pools = self._eligible(ask, stale)
+        paced = ask.priority > 0 and self.pacing.seconds > 0 and self.policy in _PACED_POLICIES
         if ask.pin is None and not ask.pinnable and len(pools) > 1:
+            if paced and any(self.pacing.holds(p.pace) for p in pools):
+                return None
             placed = [(p, self._candidate(p, ask)) for p in pools]
             if all(self._fits(p, c, stale, ask.priority) for p, c in placed):
                 return placed[0][0], placed[0][1], placed[1:]
             return None
         for pool in pools:
+            if paced and self.pacing.holds(pool.pace):
+                continue
             candidate = self._candidate(pool, ask)
             if self._fits(pool, candidate, stale, ask.priority):
                 return pool, candidate, []
         return None
+
+    def _sent(self, pool: Pool, ask: Ask) -> None:
+        """The request's prompts go to ``pool``'s engine: they add to its prefill backlog (kept
+        only while paced: off the admission path otherwise)."""
+        if self.pacing.seconds > 0:
+            pool.pace.sent(ask.projection.prompt_total, pool.view.costs.prefill_seconds_per_token())
 
     def _admit(
         self,
@@ -350,6 +372,7 @@ class AdmissionController:
         shadows: list[tuple[Pool, Reservation]],
     ) -> Reservation:
         pool.retry.admitted(ask.key)
+        self._sent(pool, ask)
         res = pool.ledger.add(candidate)
         res.engine = pool.engine
         res.tenant = ask.tenant
@@ -358,6 +381,7 @@ class AdmissionController:
         res.priority = ask.priority
         for other, shadow in shadows:
             other.ledger.add(shadow).engine = other.engine
+            self._sent(other, ask)
             shadow.priority = ask.priority
             shadow.tenant_blocks = shadow.reserved_blocks
             res.shadows.append(shadow)
@@ -517,8 +541,11 @@ class AdmissionController:
     def pump(self) -> None:
         """Admit queued requests from the head while they fit (draining too: queued requests
         that can still start do; the rest wait out their deadline). Candidates are made afresh
-        each time: the learned lengths and the pools' room move while a request waits."""
+        each time: the learned lengths and the pools' room move while a request waits. Under
+        ``spill``, hand back the queued requests whose wait has grown (``spill.hand_back``)."""
         self._queue.pump()
+        if self.policy is Policy.spill and self._queue:
+            hand_back(self._queue, self.expected_waits, threshold=self.spill_wait)
 
     def _admit_head(self, ask: Ask) -> Reservation | None:
         """The queue's try of its head: its reservation, if it can start now."""
@@ -559,7 +586,7 @@ class AdmissionController:
                 else:
                     self._favoured.pop(one.engine, None)
         self._pools.release(res)
-        self._queue.pump()
+        self.pump()
 
     # --- Retry-After ------------------------------------------------------------------------
 
@@ -586,24 +613,27 @@ class AdmissionController:
             likely=self.learner.likely,
         )
 
-    def _behind(self, pool: Pool, ask: Ask) -> tuple[Reservation, list[Reservation]]:
+    def _behind(
+        self, pool: Pool, ask: Ask, before: int | None = None
+    ) -> tuple[Reservation, list[Reservation]]:
         """The request's candidate in ``pool``, and those of the queued requests that would be
         tried before it were it queued now (``WaitQueue.ahead_of``: with one priority and one
-        tenant, every other)."""
+        tenant, every other; ``before``: it is queued, as that ``seq``)."""
         candidate = self._candidate(pool, ask)
-        ahead = self._queue.ahead_of(ask)
+        ahead = self._queue.ahead_of(ask, before=before)
         return candidate, [self._candidate(pool, w.ask) for w in ahead]
 
-    def expected_waits(self, ask: Ask) -> list[Estimate]:
-        """Per pool the request may run in, its expected wait if queued now
-        (``sidecar.admission.waits.expected_wait``; unknown where the pool is not known yet)."""
+    def expected_waits(self, ask: Ask, before: int | None = None) -> list[Estimate]:
+        """Per pool the request may run in, its expected wait if queued now (``before``: or
+        where it is queued, as that ``seq``), by ``sidecar.admission.waits.expected_wait``;
+        unknown where the pool is not known yet."""
         estimates = []
         for pool in self._eligible(ask, self.is_stale()):
             budget = budget_blocks(pool.view.capacity_blocks, self.headroom)
             if budget is None:  # the pool is not known yet: nothing to tell the wait by
                 estimates.append(Estimate(None, None))
                 continue
-            behind = self._behind(pool, ask)
+            behind = self._behind(pool, ask, before)
             budget -= self.reserve_blocks(pool, ask.priority)
             estimates.append(
                 expected_wait(pool, *behind, budget=budget, likely=self.learner.likely)

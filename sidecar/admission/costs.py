@@ -22,8 +22,9 @@ ratio alike):
   make (:meth:`EngineCosts.step_seconds`, what a latency objective is checked with) and the
   step's **fixed share**, ``base`` over the step at the recent batch: on a GPU, reading the
   weights once per step for the whole batch; what one sequence more gains
-  (:meth:`EngineCosts.gain_steps`). A line whose slope is not positive tells nothing (noise,
-  or a batch that never varied);
+  (:meth:`EngineCosts.gain_steps`, over the recent batch or the one it would join, whichever
+  is larger). A line whose slope is not positive tells nothing (noise, or a batch that never
+  varied); until one is solved the fixed share is :data:`PRIOR_FIXED_SHARE`;
 - the **prefill cost**: each finished request's prefill (``vllm:request_prefill_time_seconds``:
   from being scheduled to its first token) less a decode step is what its prompt's computed
   tokens added to the step it ran in; summed over the interval's requests and over their prompt
@@ -41,6 +42,17 @@ slow when the host was busy, and the host was busy when prompts arrived.
 
 Until a prefill is measured, a recompute is taken to cost one decode step per
 ``PRIOR_PREFILL_TOKENS_PER_STEP`` tokens.
+
+vLLM reports a request's prefill time when the request finishes, and requests prefilled
+together in one step each report that whole step: where a burst's requests start and end
+together, the step is counted once per request and the cost per prompt token read that many
+times too high (on ``vllm bench serve``'s burst on the CPU engine it fell from the prior's
+1,024 tokens a step to 35-40 once the first wave of 12 ended: BENCHMARKS.md, Known lengths
+admitted by their trajectories' means). So the interval's prefill seconds are scaled by the
+share of distinct steps among its finished requests, as the sidecar saw their first tokens
+(``Ledger.prefill_share``: streamed answers whose first tokens came within half a decode step of
+each other shared a step). Requests the sidecar did not relay, or did not stream, count as
+steps of their own.
 
 >>> costs = EngineCosts()
 >>> costs.recompute_steps(2048)
@@ -64,6 +76,14 @@ from sidecar.engine.snapshot import EngineSnapshot
 #: of ~1,000 tokens (bound by compute, 2 x 8e9 x 1,000 FLOPs at ~40 % of ~1e15 FLOP/s: ~40 ms)
 #: are within a few x of each other; 1,024 is the round figure between them
 PRIOR_PREFILL_TOKENS_PER_STEP = 1024.0
+#: a decode step's fixed share (:meth:`EngineCosts.fixed_share`), until the decode line is
+#: measured: the line needs the batch to vary, and a sidecar that holds the batch at what fits
+#: may not see it vary for a whole burst (``vllm bench serve``'s burst on the CPU engine: the
+#: line was first solved 18 s into a 20 s burst, at 0.82). On a GPU a decode step of an 8B model
+#: reads its ~16 GB of weights once for the whole batch and each sequence's KV beside them
+#: (~128 KB a token): at a batch of 12, about 0.9 of the step with contexts of 1,000 tokens
+#: and 0.25 with contexts of 32,000; half is the round figure between them
+PRIOR_FIXED_SHARE = 0.5
 #: the length quantiles a request may be reserved to, from the most optimistic ...
 QUANTILES = (0.75, 0.9, 0.95, 0.99)
 #: ... and the median too where the measured batch gain is what pays for the risk, and none at
@@ -145,8 +165,13 @@ class EngineCosts:
         self._prefill_seconds = 0.0
         self._prefill_tokens = 0.0
 
-    def update(self, prev: EngineSnapshot, snap: EngineSnapshot) -> None:
-        """Learn from the interval between two scrapes, when vLLM was busy through it."""
+    def update(
+        self, prev: EngineSnapshot, snap: EngineSnapshot, *, shared: float | None = None
+    ) -> None:
+        """Learn from the interval between two scrapes, when vLLM was busy through it;
+        ``shared``: of the requests that finished in it, the prefill steps their prefills took
+        over their number (``Ledger.prefill_share``: a step shared by k prefills is reported k
+        times, and counted once here), None where not known (each its own step)."""
         if prev.running <= 0 or snap.running <= 0:
             return
         self.batch = (prev.running + snap.running) / 2.0
@@ -166,6 +191,8 @@ class EngineCosts:
         cached = snap.prompt_tokens_cached - prev.prompt_tokens_cached
         computed = prompts * (1.0 - min(1.0, max(0.0, cached / taken)) if taken > 0 else 1.0)
         spent = max(0.0, snap.prefill_seconds_sum - prev.prefill_seconds_sum - finished * step)
+        if shared is not None:
+            spent *= min(1.0, max(0.0, shared))
         decay = 1.0 - _EWMA
         self._prefill_seconds = decay * self._prefill_seconds + spent
         self._prefill_tokens = decay * self._prefill_tokens + computed
@@ -210,9 +237,10 @@ class EngineCosts:
         step = line[0] + line[1] * max(1.0, self.batch)
         return min(1.0, line[0] / step) if step > 0 else None
 
-    def gain_steps(self, tokens: float) -> float:
+    def gain_steps(self, tokens: float, batch: float = 1.0) -> float:
         """Decode steps of the engine's time a sequence saves by decoding ``tokens`` in the
-        recent batch rather than outside it (0 where unknown).
+        recent batch, or in ``batch`` (the requests in flight with it) where that is larger,
+        rather than outside it; the fixed share is :data:`PRIOR_FIXED_SHARE` until measured.
 
         With the batch held back by the pool, the engine's time per token is ``base / batch +
         per_sequence`` (the decode line): one sequence more decodes its ``tokens`` at
@@ -223,9 +251,11 @@ class EngineCosts:
         what its recompute costs): running more pays for preemptions where a step's fixed
         share is large and the batch small."""
         share = self.fixed_share()
-        if share is None or tokens <= 0:
+        if share is None:
+            share = PRIOR_FIXED_SHARE
+        if tokens <= 0:
             return 0.0
-        return tokens * share / max(1.0, self.batch)
+        return tokens * share / max(1.0, self.batch, batch)
 
     def figures(self) -> CostFigures:
         line = self.line()
@@ -236,6 +266,6 @@ class EngineCosts:
             step_seconds_per_token=self.prefill_seconds_per_token(),
             prefill_tokens_per_step=1.0 / max(self.recompute_steps(1.0), 1e-12),
             fixed_share=share,
-            gain_steps_per_token=self.gain_steps(1.0) if share is not None else None,
+            gain_steps_per_token=self.gain_steps(1.0),
             step_seconds_per_sequence=line[1] if line is not None else None,
         )

@@ -3,8 +3,8 @@
 A decision is a value (:class:`Decision`), never an exception. ``Outcome`` and ``Reason`` are
 the labels of ``kv_sidecar_requests_total{decision,reason}`` (low cardinality, every pair
 exported from zero); :data:`REFUSALS` gives each refusing reason its HTTP status, OpenAI error
-type and error code. ``sidecar.http.refusals`` turns a decision into a response from this table
-alone.
+type and error code (:func:`refusal_of`: ``spilled`` as ``--spill-status`` sets it).
+``sidecar.http.refusals`` turns a decision into a response from this table alone.
 
 >>> REFUSALS[Reason.KV_CACHE_FULL]
 Refusal(status=429, type='rate_limit_error', code='kv_cache_full')
@@ -40,7 +40,7 @@ class Reason(StrEnum):
     KV_CACHE_FULL = "kv_cache_full"
     LATENCY_TARGET = "latency_target"  # a larger batch would miss --tpot-target
     TTFT_TARGET = "ttft_target"  # its first token expected later than --ttft-target
-    SPILLED = "spilled"  # --policy spill: the expected wait here is over --spill-wait
+    SPILLED = "spilled"  # --policy spill: the expected wait here is over --spill-wait (or grew)
     QUEUE_FULL = "queue_full"
     TENANT_QUEUE_FULL = "tenant_queue_full"  # its tenant has --tenant-max-queue queued
     TENANT_SHARE = "tenant_share"  # policy reject: its tenant holds --tenant-max-share
@@ -89,6 +89,23 @@ REFUSALS: dict[Reason, Refusal] = {
     # the sidecar's backpressure in place of vLLM's queue-cap 503, for a request it had admitted
     Reason.ENGINE_QUEUE_FULL: Refusal(429, "rate_limit_error", "engine_queue_full"),
 }
+
+
+def refusal_of(reason: Reason, *, spill_status: int = 429) -> Refusal:
+    """How ``reason`` reads on the wire: :data:`REFUSALS`, with a ``spilled`` refusal's status
+    as ``--spill-status`` sets it (503: a gateway that cannot retry a 429, such as HAProxy 2.6,
+    retries a 503; the code stays ``spilled``, the type that of the sidecar's other 503s).
+
+    >>> refusal_of(Reason.SPILLED, spill_status=503)
+    Refusal(status=503, type='service_unavailable_error', code='spilled')
+    >>> refusal_of(Reason.QUEUE_FULL, spill_status=503).status
+    429
+    """
+    refusal = REFUSALS[reason]
+    if reason is Reason.SPILLED and spill_status == 503:
+        return Refusal(503, "service_unavailable_error", refusal.code)
+    return refusal
+
 
 _ADMIT = (Reason.FITS, Reason.QUEUED, Reason.STALE_OPEN, Reason.OBSERVED)
 _CANCEL = (Reason.CLIENT_DISCONNECT,)

@@ -22,7 +22,9 @@ flight, over their number), once the class, else every class, has 32 answers.
 
 A request that sets ``ignore_eos`` (its class ends in ``+ignore_eos``) will reach its
 ``max_tokens``: it is reserved all of it, except in adaptive mode where running it now saves more
-than even a certain recompute costs (then it is risked at the floor, as vLLM risks it). In every
+than even a certain recompute costs (then it is risked at the floor, as vLLM risks it: cold, by
+the priors, a decode step half fixed and 1,024 prompt tokens a step, that is every such request
+whose answer is long beside its prompt and the batch it joins). In every
 mode an answer past its end is expected to run to twice what it has
 (``Reservation.end``), and vLLM's preemptions widen the learned ends for a while.
 
@@ -84,7 +86,7 @@ class Ends:
         if self.mode is ReservationMode.worst_case:
             return max_tokens
         if runs_to_max(klass):
-            return self._runs_to_max(prompt_tokens, max_tokens, costs)
+            return self._runs_to_max(prompt_tokens, max_tokens, costs, concurrency)
         if self.mode is ReservationMode.expected:
             return self.learner.end(klass, max_tokens)
         return self._adaptive(klass, prompt_tokens, max_tokens, costs, concurrency)
@@ -107,8 +109,41 @@ class Ends:
         likely = self._likely(klass, max_tokens)
         return costs.recompute_steps(prompt_tokens + likely) <= CHEAP_RECOMPUTE_STEPS
 
+    def averaged(
+        self,
+        klass: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        costs: EngineCosts,
+        concurrency: float = 1.0,
+    ) -> bool:
+        """Whether an ``ignore_eos`` request whose recompute is cheap (at most
+        :data:`CHEAP_RECOMPUTE_STEPS` decode steps even at its end) may also be admitted where
+        the requests in flight, each at the mean of the rest of its trajectory, fit beside its
+        own mean (``sidecar.admission.fit.fits``, ``averaged``), in adaptive mode.
+
+        Answers of one length that start together peak together: laid out by their known
+        peaks, a burst of them runs in waves that use the pool fully only at their end (about
+        two thirds of it over the wave for prompts of 256 and answers of 600 tokens), where
+        vLLM alone fills it and preempts. By their means, a wave holds about as many as a
+        staggered stream would at its peak; vLLM preempts the last of them near the wave's
+        end, each for a recompute that costs a step or two, and their restarts stagger the
+        next wave (``vllm bench serve``'s burst: BENCHMARKS.md). Where lengths vary, the
+        laid-out peaks stagger a burst themselves. Not where the batch gain pays even a
+        certain recompute (``_runs_to_max`` reserves it from the floor then)."""
+        if self.mode is not ReservationMode.adaptive or not runs_to_max(klass):
+            return False
+        if self._risks_to_max(prompt_tokens, max_tokens, costs, concurrency):
+            return False
+        return costs.recompute_steps(prompt_tokens + max_tokens) <= CHEAP_RECOMPUTE_STEPS
+
     def spread_quantile(
-        self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts
+        self,
+        klass: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        costs: EngineCosts,
+        concurrency: float = 1.0,
     ) -> float | None:
         """The quantile of the in-flight demand adaptive mode's second opinion keeps a request
         of ``klass`` within (``sidecar.kv.spread``, ``sidecar.admission.fit.spread_fits``): the
@@ -118,7 +153,9 @@ class Ends:
         even a certain recompute pays (it is reserved from the floor already)."""
         if self.mode is not ReservationMode.adaptive or runs_to_max(klass):
             return None
-        quantile, _, risk, recompute = self._choice(klass, prompt_tokens, max_tokens, costs)
+        quantile, _, risk, recompute = self._choice(
+            klass, prompt_tokens, max_tokens, costs, concurrency
+        )
         if quantile == SURE:
             return None
         if quantile is None:
@@ -131,7 +168,12 @@ class Ends:
         return min(max_tokens, self.learner.likely(klass) or COLD_OUTPUT_TOKENS)
 
     def _choice(
-        self, klass: str, prompt_tokens: int, max_tokens: int, costs: EngineCosts
+        self,
+        klass: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        costs: EngineCosts,
+        concurrency: float = 1.0,
     ) -> tuple[float | None, int, float, float]:
         """The length quantile adaptive mode reserves the request to (None: none is safe
         enough alone; :data:`SURE`: even a certain recompute pays), with its class's likely
@@ -139,7 +181,7 @@ class Ends:
         likely = self._likely(klass, max_tokens)
         # the recompute a request may risk: what running it in the batch saves (measured; it
         # may then be reserved to the median), at least --risk-steps
-        gain = costs.gain_steps(likely)
+        gain = costs.gain_steps(likely, concurrency)
         recompute = costs.recompute_steps(prompt_tokens + likely)
         risk = max(self.risk_steps, gain)
         if recompute <= CHEAP_RECOMPUTE_STEPS:
@@ -160,7 +202,9 @@ class Ends:
         concurrency: float = 1.0,
     ) -> int:
         learner = self.learner
-        quantile, likely, risk, recompute = self._choice(klass, prompt_tokens, max_tokens, costs)
+        quantile, likely, risk, recompute = self._choice(
+            klass, prompt_tokens, max_tokens, costs, concurrency
+        )
         if quantile is None:
             # too costly a recompute for one request alone even at 0.99; beside others, the
             # pool's answers together may still outrun rarely enough: at 1 - risk / recompute
@@ -192,24 +236,28 @@ class Ends:
             bound = COLD_OUTPUT_TOKENS
         return learner.boosted(min(bound, max_tokens), max_tokens)
 
-    def _runs_to_max(self, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> int:
+    def _runs_to_max(
+        self, prompt_tokens: int, max_tokens: int, costs: EngineCosts, concurrency: float = 1.0
+    ) -> int:
         """An ``ignore_eos`` request reaches its ``max_tokens``: every quantile of its length is
         that. Only adaptive mode, where running it now saves more than even a certain recompute
         costs, risks it from the floor as vLLM does; otherwise all of it is reserved."""
         if self.mode is ReservationMode.adaptive and self._risks_to_max(
-            prompt_tokens, max_tokens, costs
+            prompt_tokens, max_tokens, costs, concurrency
         ):
             return min(COLD_OUTPUT_TOKENS, max_tokens)
         return max_tokens
 
-    def _risks_to_max(self, prompt_tokens: int, max_tokens: int, costs: EngineCosts) -> bool:
+    def _risks_to_max(
+        self, prompt_tokens: int, max_tokens: int, costs: EngineCosts, concurrency: float = 1.0
+    ) -> bool:
         """Whether a request that runs to its ``max_tokens`` is risked as vLLM risks it: only
         where running it now saves more than even a certain recompute costs. A cheap recompute
         alone does not do: its length is known, so its whole trajectory is (what vLLM's own
         benchmark client sends), and vLLM would preempt it for certain where the pool cannot
         hold it to its end."""
         recompute = costs.recompute_steps(prompt_tokens + max_tokens)
-        gain = costs.gain_steps(max_tokens)
+        gain = costs.gain_steps(max_tokens, concurrency)
         return gain > self.risk_steps and gain >= recompute
 
     def _pooled_tail(self, klass: str, quantile: float, max_tokens: int, concurrency: float) -> int:
@@ -253,3 +301,4 @@ class Ends:
             if end < UNBOUNDED:
                 out[klass] = end
         return out
+

@@ -46,7 +46,10 @@ class EngineView:
             preempted = max(0.0, snap.preemptions_total - prev.preemptions_total)
             self.preemptions_seen += preempted
             self._hidden_progress(prev, snap)
-            self.costs.update(prev, snap)
+            # the releases since the last scrape: how many prefill steps their reports span
+            step = self.costs.decode_step_seconds
+            shared = self.ledger.prefill_share(prev.taken_at, window=step / 2 if step else 0.0)
+            self.costs.update(prev, snap, shared=shared)
         self._step_time(prev, snap)
         predicted = self.aligned_prediction(snap)
         self.at_snapshot = (predicted, len(self.ledger))

@@ -112,11 +112,13 @@ def fits(
     strict: bool,
     reserve_blocks: int = 0,
     risked: bool = False,
+    averaged: bool = False,
 ) -> bool:
     """Whether ``candidate`` fits in the pool now (``strict``: worst-case mode, where every
     request runs to its reserved end and no further; ``reserve_blocks``: blocks of the budget
     the candidate may not take, kept for better priorities, none into an empty pool;
-    ``risked``: the candidate is admitted as vLLM admits, :func:`fits_now`)."""
+    ``risked``: the candidate is admitted as vLLM admits, :func:`fits_now`; ``averaged``: it
+    may also be admitted where the trajectories' means fit, :func:`mean_fits`)."""
     full = budget_blocks(pool.capacity_blocks, headroom)
     if full is None:
         return True  # nothing known yet (fail-open start-up): vLLM is the only judge
@@ -125,6 +127,8 @@ def fits(
     exact = candidate.projection.exact
     if risked and exact:
         return fits_now(ledger, candidate, pool, budget)
+    if averaged and exact and not strict and mean_fits(ledger, candidate, pool, budget):
+        return True
     if exact and (strict or ledger.overruns == 0):
         # in worst-case mode always; in the others while no answer has run past its reserved end
         # (one that has is expected to grow beyond what it reserved)
@@ -155,6 +159,22 @@ def fits(
             return False
     peak = in_flight_peak(ledger, candidate)
     return committed_blocks(peak, pool, prompt_blocks=prompt) <= budget
+
+
+def mean_fits(ledger: Ledger, candidate: Reservation, pool: PoolState, budget: int) -> bool:
+    """Whether the requests in flight and the candidate fit the budget each at the mean of the
+    rest of its trajectory (halfway between what it holds now, its prompt for one not started,
+    and its reserved peak), and the candidate's prompt fits beside what vLLM holds now. For
+    requests of known lengths whose recompute is cheap (``Ends.averaged``): vLLM may preempt
+    some near their peaks. Never while an answer has run past its reserved end (its mean is
+    unknown). Cases in tests/test_fit.py.
+    """
+    if ledger.overruns:
+        return False
+    prompt = candidate.projection.prompt_blocks
+    now = ledger.predicted_blocks + ledger.unstarted_prompt_blocks + prompt
+    mean = math.ceil((now + ledger.reserved_blocks + candidate.reserved_blocks) / 2)
+    return committed_blocks(mean, pool, prompt_blocks=prompt) <= budget
 
 
 def spread_fits(
@@ -242,10 +262,12 @@ def keeps_step_target(
     target_seconds: float,
 ) -> bool:
     """Whether a decode step stays within ``target_seconds`` with the candidate's sequences
-    added to the batch (vLLM's ``running`` and the ledger's requests not started yet). An empty
-    batch always takes a request, and an unknown step time holds nothing back."""
-    waiting = sum(r.projection.sequences for r in ledger if not r.started)
-    batch = running + waiting
+    added to the batch: vLLM's ``running`` at the last scrape, at least the sidecar's own
+    started sequences (those that started since the scrape are not in vLLM's count yet: without
+    this floor, requests admitted and started between two scrapes were never counted, and the
+    target held nothing back until the next one), and the ledger's requests not started yet. An
+    empty batch always takes a request, and an unknown step time holds nothing back."""
+    batch = max(running, ledger.started_sequences) + ledger.unstarted_sequences
     if batch == 0:
         return True
     step = costs.step_seconds(batch + candidate.projection.sequences)

@@ -29,6 +29,7 @@ from sidecar.admission.ask import KVState
 from sidecar.admission.ends import Ends
 from sidecar.admission.engine_view import EngineView
 from sidecar.admission.fit import PoolState, budget_blocks, committed_blocks, in_flight_peak
+from sidecar.admission.pacing import PrefillPace
 from sidecar.admission.retry import RetryPlanner
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.blocks import BlockMath
@@ -45,6 +46,7 @@ class Pool:
     ledger: Ledger
     view: EngineView
     retry: RetryPlanner
+    pace: PrefillPace  # the prefill backlog forwarded to it (``--priority-pace``)
 
 
 def pool_state(pool: Pool, stale: bool) -> PoolState:
@@ -63,7 +65,14 @@ class Pools:
         self.retired: dict[str, Pool] = {}  # pools of engines gone, until their requests end
 
     def _new(self, engine: str, ledger: Ledger) -> Pool:
-        return Pool(engine, ledger, EngineView(ledger), RetryPlanner(ledger, clock=self._clock))
+        clock = self._clock
+        return Pool(
+            engine,
+            ledger,
+            EngineView(ledger),
+            RetryPlanner(ledger, clock=clock),
+            PrefillPace(clock=clock),
+        )
 
     def configure(self, blocks: BlockMath, *, share_prefixes: bool) -> None:
         """vLLM's block geometry and prefix caching, for every pool (at discovery)."""
@@ -220,4 +229,5 @@ class Pools:
             prefill_tokens_per_step=costs.prefill_tokens_per_step,
             step_fixed_share=costs.fixed_share,
             batch_gain_steps_per_token=costs.gain_steps_per_token,
+            prefill_backlog_seconds=sum(pool.pace.backlog() for pool in self.live),
         )

@@ -155,20 +155,37 @@ class WaitQueue:
             for t, line in band.items()
         )
 
-    def ahead_of(self, ask: Ask) -> list[Waiter]:
+    def ahead_of(self, ask: Ask, *, before: int | None = None) -> list[Waiter]:
         """The waiters that would be tried before a request arriving now with ``ask`` (itself
         excluded, if it waits here): those of a better priority, those of its priority whose
-        tenant's use is at most its tenant's, and its own tenant's."""
+        tenant's use is at most its tenant's, and its own tenant's (``before``: the ``seq`` of
+        a queued request's own waiter: only those of its tenant that came before it)."""
         mine = self._score(ask.tenant)
         out: list[Waiter] = []
         for priority, band in self._bands.items():
             if priority > ask.priority:
                 continue
             for tenant, line in band.items():
-                if priority == ask.priority and tenant != ask.tenant and self._score(tenant) > mine:
+                own = priority == ask.priority and tenant == ask.tenant
+                if priority == ask.priority and not own and self._score(tenant) > mine:
                     continue
-                out.extend(w for w in line if w.ask is not ask and not w.future.done())
+                out.extend(
+                    w
+                    for w in line
+                    if w.ask is not ask
+                    and not w.future.done()
+                    and (before is None or not own or w.seq < before)
+                )
         return out
+
+    def lines(self) -> list[list[Waiter]]:
+        """Every tenant's line in every priority, each oldest first (copies)."""
+        return [list(line) for band in self._bands.values() for line in band.values()]
+
+    def next_waiter(self) -> Waiter | None:
+        """The waiter the queue tries next (None: none may be tried now)."""
+        line = self._first()
+        return line[0] if line else None
 
     def shed_order(self) -> list[Waiter]:
         """The waiters still waiting, the first to leave when the queue must shed first: the

@@ -68,8 +68,9 @@ class SecondOpinion:
             return False
         p = candidate.projection
         costs = pool.view.costs
+        batch = len(pool.ledger) + 1  # the batch it would join, as its end was chosen
         quantiles = [
-            self.reserving.spread_quantile(candidate.klass, prompt, m, costs)
+            self.reserving.spread_quantile(candidate.klass, prompt, m, costs, batch)
             for prompt, m in zip(p.prompt_tokens, p.max_tokens, strict=True)
         ]
         chosen = [q for q in quantiles if q is not None]

@@ -25,6 +25,19 @@ pools the request may run in is the one judged (data-parallel engines).
   between a CPU and a GPU; queueing is what ``--policy queue`` would do, and refusing would send
   a fresh fleet's first burst round the gateway on no evidence.
 
+A queued request is judged again each time the queue is tried (after every scrape and every
+release, :func:`hand_back`), by the same estimate, with the requests queued before it (not
+those after it) ahead: the in-flight requests may run longer than their class's answers
+usually do, the step time may grow, a better priority may queue ahead of it. One whose wait is
+now over :data:`REJUDGE_MARGIN` more than ``--spill-wait`` is handed back: refused with
+``spilled`` and a Retry-After, as it would have been at arrival, so that the gateway retries it
+on another replica; it has not reached vLLM, nothing is lost. Never the request the queue tries
+next (its wait is the in-flight requests' alone, and it would hand its place to the one behind
+it), and never on a cold pool (:func:`judge` queues then).
+
+The status of a ``spilled`` refusal is 429, or 503 with ``--spill-status 503`` for a gateway
+that retries a 503 but not a 429 (HAProxy 2.6); ``sidecar.admission.decisions.refusal_of``.
+
 >>> judge([Estimate(steps=40, seconds_per_step=0.02)], threshold=2.0).queue
 True
 >>> judge([Estimate(steps=400, seconds_per_step=0.02)], threshold=2.0).wait_seconds
@@ -38,8 +51,25 @@ True
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sidecar.admission.decisions import Reason
+
+if TYPE_CHECKING:
+    from sidecar.admission.ask import Ask
+    from sidecar.admission.queue import Waiter, WaitQueue
+
+#: How much longer than ``--spill-wait`` a queued request's expected wait must be before it is
+#: handed back: half again. It was queued because its wait was at most the threshold, and an
+#: estimate moves without the wait having grown: the step time is a moving average of each
+#: scrape interval's (weight 0.3), so one interval whose steps take twice as long (a burst of
+#: prefills) moves it, and every wait, by 30%; the likely ends of the in-flight requests move as
+#: answers are learned. Handing back a request for such a move would send it round the fleet,
+#: behind the requests queued there, for nothing. A wait half again over the threshold is more
+#: than one noisy interval. Not measured: a reasoned choice, as the threshold itself.
+REJUDGE_MARGIN = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +145,48 @@ def first_token(estimates: Sequence[Estimate], *, prefill_seconds: float, target
         f"its first token {said}; the objective is {target:g}s (--ttft-target); retry "
         "after Retry-After or on another replica",
     )
+
+
+def hand_back(
+    queue: WaitQueue,
+    waits: Callable[[Ask, int], Sequence[Estimate]],
+    *,
+    threshold: float,
+    margin: float = REJUDGE_MARGIN,
+) -> list[Waiter]:
+    """Refuse (``WaitQueue.shed``, reason ``spilled``) the queued requests whose expected wait
+    now (``waits(ask, seq)``: each pool's, with the requests queued before it ahead) is over
+    ``threshold`` x (1 + ``margin``), but for the one the queue tries next; the ones refused.
+
+    Each tenant's line is judged from its newest waiter back and left at the first that may
+    stay: a waiter's wait is at least that of any before it in its line (those are ahead of it
+    too, and a plan with more requests in it fits no sooner), so the rest may stay too. A try
+    that hands nothing back costs one estimate per line."""
+    bar = threshold * (1 + margin)
+    first = queue.next_waiter()
+    out: list[Waiter] = []
+    for line in queue.lines():
+        for waiter in reversed(line):
+            if waiter is first:
+                break
+            if waiter.future.done():
+                continue  # leaving in this very tick
+            verdict = judge(waits(waiter.ask, waiter.seq), threshold=bar)
+            if verdict.queue:
+                break
+            wait = verdict.wait_seconds
+            said = (
+                "cannot be bounded now"
+                if wait is None or math.isinf(wait)
+                else f"is now {wait:.1f}s"
+            )
+            queue.shed(
+                waiter,
+                Reason.SPILLED,
+                f"queued here, the expected wait for room in the KV cache {said}, over the "
+                f"{threshold:g}s this replica queues for (--spill-wait) by more than "
+                f"{margin:.0%}; handed back before vLLM saw it: retry another replica or after "
+                "Retry-After",
+            )
+            out.append(waiter)
+    return out

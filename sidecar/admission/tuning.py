@@ -14,7 +14,10 @@ controller and re-judges the requests already queued where that is what the sett
   for one that has waited longer, with 429 ``queue_timeout``);
 - ``policy`` ``reject``: the queued requests leave with 429 ``kv_cache_full``, as a request that
   does not fit does under it; ``observe``: they are forwarded at once; ``queue`` and ``spill``:
-  they keep waiting (``spill_wait`` judges only requests that arrive).
+  they keep waiting; under ``spill``, with a new ``spill_wait`` too, the queued requests but the
+  next to be admitted are judged again when the queue is tried (at the end of :func:`apply`
+  too), and one whose expected wait is over half again ``spill_wait`` leaves with 429 (or
+  ``--spill-status``) ``spilled`` (``sidecar.admission.spill.hand_back``).
 
 >>> validate({"headroom": "0.1", "policy": "reject"})
 {'headroom': 0.1, 'policy': <Policy.reject: 'reject'>}

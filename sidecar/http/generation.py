@@ -103,6 +103,7 @@ class GenerationPath:
         tracing: Tracing | None = None,
         priority_rules: Sequence[PriorityRule] = (),
         forward_priority: bool = False,
+        spill_status: int = 429,
     ) -> None:
         self.gate = gate
         self.engine = engine
@@ -113,6 +114,7 @@ class GenerationPath:
         self.tracing = tracing  # None: no spans
         self.priority_rules = tuple(priority_rules)  # --priority-rules
         self.forward_priority = forward_priority  # --forward-priority
+        self.spill_status = spill_status  # --spill-status: a spilled refusal's status
 
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, raw_path: bytes, endpoint: str
@@ -261,7 +263,8 @@ class GenerationPath:
             if decision.outcome is Outcome.CANCEL:
                 return
             if not decision.admitted:
-                await _respond(send, record, refusals.from_decision(decision))
+                refused = refusals.from_decision(decision, spill_status=self.spill_status)
+                await _respond(send, record, refused)
                 return
             reservation = decision.reservation
             assert reservation is not None

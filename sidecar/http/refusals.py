@@ -1,7 +1,8 @@
 """The one place where refusals and errors become HTTP: status, retry headers, OpenAI bodies.
 
 Body shape: ``{"error": {"message", "type", "param", "code"}}`` as OpenAI and vLLM send it. The
-gate's refusals read their status and code from ``sidecar.admission.decisions.REFUSALS``; errors
+gate's refusals read their status and code from ``sidecar.admission.decisions.REFUSALS`` (a
+``spilled`` one's status from ``--spill-status``, ``refusal_of``); errors
 from the tree in ``sidecar.errors`` map here (:func:`from_error`). On Anthropic's endpoint
 (``/v1/messages`` and below it) the same answer is given in Anthropic's shape
 (:func:`anthropic_shaped`): same status and headers, ``{"type": "error", "error": {"type",
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 
-from sidecar.admission.decisions import REFUSALS, Decision, Outcome, Reason
+from sidecar.admission.decisions import Decision, Outcome, Reason, refusal_of
 from sidecar.engine.queue_caps import ENGINE_QUEUE_RETRY_AFTER
 from sidecar.errors import BadRequest, SidecarError, UpstreamTimeout
 from sidecar.http.types import Headers
@@ -56,10 +57,18 @@ def _response(
     return status, headers, error_body(message, type_=type_, code=code)
 
 
-def from_decision(decision: Decision) -> Response:
-    """The response for a refusing decision."""
+def from_decision(decision: Decision, *, spill_status: int = 429) -> Response:
+    """The response for a refusing decision (``spill_status``: a ``spilled`` refusal's status,
+    ``--spill-status``).
+
+    >>> status, headers, body = from_decision(
+    ...     Decision(Outcome.REJECT, Reason.SPILLED, retry_after=4.2, message="long"),
+    ...     spill_status=503)
+    >>> status, dict(headers)[b"retry-after"], json.loads(body)["error"]["code"]
+    (503, b'5', 'spilled')
+    """
     assert decision.outcome is Outcome.REJECT, decision
-    refusal = REFUSALS[decision.reason]
+    refusal = refusal_of(decision.reason, spill_status=spill_status)
     return _response(
         refusal.status, refusal.type, refusal.code, decision.message, decision.retry_after
     )

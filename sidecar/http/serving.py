@@ -44,6 +44,7 @@ def build_proxy(
             tracing=tracing,
             priority_rules=parse_priority_rules(settings.priority_rules),
             forward_priority=settings.forward_priority,
+            spill_status=settings.spill_status,
         ),
         traffic=traffic,
         metrics=metrics,

@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import cast
 
 import numpy as np
@@ -151,6 +152,9 @@ class Ledger:
         #: the prompt blocks another request in flight still holds (``_holders``)
         self.freed_total = 0
         self._holders: dict[int, int] = {}  # prefix chain hash -> requests in flight holding it
+        #: (released at, first token at) of the streamed requests released since the last
+        #: :meth:`prefill_share` (bounded: a scrape takes them every interval)
+        self._first_tokens: deque[tuple[float, float]] = deque(maxlen=4096)
         self._profiles: dict[bool, tuple[int, Profile]] = {}
         self._bounds: dict[bool, Bound] = {}  # the profiles kept past changes, as upper bounds
         self._builds = 0
@@ -303,10 +307,12 @@ class Ledger:
             self.freed_total += max(0, res.predicted_blocks - kept)
         if res.overran:
             self.overruns -= 1
+        now = self._clock()
+        if res.started and res.streamed:
+            self._first_tokens.append((now, res.started_at))
         self.reserved_blocks -= res.reserved_blocks
         self.predicted_blocks -= res.predicted_blocks
         self.peak_blocks -= res.projection.peak_blocks
-        now = self._clock()
         held = now - res.admitted_at
         self._hold_seconds_ewma = (
             held if self._hold_seconds_ewma is None else 0.8 * self._hold_seconds_ewma + 0.2 * held
@@ -315,6 +321,30 @@ class Ledger:
         self._freed_sum += res.reserved_blocks
         self._trim(now)
         return res.reserved_blocks
+
+    def prefill_share(self, since: float, window: float) -> float | None:
+        """Of the streamed requests released after ``since``, the prefill steps they took over
+        their number (at most 1; None where none was): their first tokens grouped where each
+        came less than ``window`` after the one before (requests prefilled in one step get
+        theirs together; steps apart are a decode step apart at least). Forgets what it read.
+
+        vLLM reports each request's prefill time when the request finishes, and requests
+        prefilled together in one step each report that whole step
+        (``sidecar.admission.costs``): this is the share of the interval's reports that are
+        steps of their own.
+
+        >>> from sidecar.kv.geometry import UniformBlocks
+        >>> ledger = Ledger(UniformBlocks(16))
+        >>> ledger._first_tokens.extend([(5.0, 1.0), (5.0, 1.001), (5.1, 1.002), (5.2, 2.0)])
+        >>> ledger.prefill_share(4.0, window=0.005), ledger.prefill_share(4.0, window=0.005)
+        (0.5, None)
+        """
+        firsts = sorted(first for released, first in self._first_tokens if released > since)
+        self._first_tokens.clear()
+        if not firsts:
+            return None
+        steps = 1 + sum(1 for a, b in pairwise(firsts) if b - a >= window)
+        return steps / len(firsts)
 
     # --- the future --------------------------------------------------------------------------
 

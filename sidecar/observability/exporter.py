@@ -471,6 +471,14 @@ def cost_families(state: KVState) -> list[Metric]:
             "request's likely answer in recompute.",
             state.batch_gain_steps_per_token,
         ),
+        (
+            "prefill_backlog_seconds",
+            "Seconds of prefill the sidecar has forwarded to vLLM and not yet presumed done (the "
+            "prompts sent, at the learned cost of a prompt token, drained by the clock), summed "
+            "over the engines; requests of a positive priority wait while it is over "
+            "--priority-pace (kept only while it is set: 0 otherwise).",
+            state.prefill_backlog_seconds,
+        ),
     )
     return [_gauge(name, doc, value) for name, doc, value in figures if value is not None]
 

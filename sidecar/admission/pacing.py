@@ -1,0 +1,122 @@
+"""Prompts of a positive priority forwarded no faster than vLLM prefills them
+(``--priority-pace``).
+
+vLLM's own scheduler takes waiting requests first come, first served (``--scheduling-policy
+fcfs``, its default), and it prefills a prompt before it answers the next one in line. When a
+batch class sends hundreds of requests at once and the sidecar admits as many as the KV pool
+holds, they all wait in vLLM's queue for their prefill: on the simulated 8B engine (BENCHMARKS.md,
+The priority workload at GPU sizes) 52 prompts of 1,000-2,000 tokens, about 2.5 s of prefill,
+and an interactive chat the sidecar admitted at once 0.5 s later waited behind them for 1.9 s.
+No KV admission rule reaches that wait: the room is there, the queue is vLLM's.
+
+So the sidecar keeps that queue short itself. It keeps, per engine, the **prefill backlog**: the
+seconds of prefill of the prompts it has forwarded (every priority), each prompt's tokens at the
+learned cost of a prompt token (``EngineCosts.prefill_seconds_per_token``; until one is measured,
+:data:`PRIOR_PREFILL_SECONDS_PER_TOKEN`), drained at one second a second, the rate at which vLLM
+works through them. A request of a positive priority (a class the operator ranked below vLLM's
+default 0) goes only while that backlog is under ``--priority-pace`` seconds; otherwise it waits
+in the sidecar's queue, where a request of a better priority passes it, and the queue is tried
+again when the backlog will have drained. A request of priority 0 or better is never held by
+it: it then finds at most ``--priority-pace`` seconds of lower-priority prefill ahead of it in
+vLLM's queue (and one prompt more), however large the burst.
+
+The backlog is an estimate from the sidecar's own clock, not vLLM's queue read back (vLLM's
+gauges are a scrape old, half a second by default, and say nothing of a non-streamed request's
+first token). It drains as if vLLM prefilled at the learned rate without pause, which is a little
+faster than vLLM does while it also decodes a batch: the backlog it leaves in vLLM's queue grows
+during a long burst by about a decode step per chunk of prefill. Where the KV pool limits the
+batch (the usual case once the burst's first wave is in), admission holds it long before the
+pace does.
+
+>>> clock = [0.0]
+>>> pace = PrefillPace(clock=lambda: clock[0])
+>>> pace.hold(0.1)
+0.0
+>>> pace.sent(2000, 5e-5)  # 0.1 s of prefill
+>>> round(pace.hold(0.1), 9)  # the next waits until the backlog is under the pace
+1e-09
+>>> clock[0] = 0.05
+>>> pace.hold(0.1)
+0.0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+
+#: seconds of prefill a prompt token costs until the engine's is measured: about an 8B model's
+#: on one GPU of the H100 class (2 x 8e9 FLOPs a token at ~40% of ~1e15 FLOP/s is 4e-5 s),
+#: rounded up so that a cold sidecar errs toward pacing too slowly for a second or two rather
+#: than letting a whole burst into vLLM's queue; a smaller model or a larger GPU measures less
+#: with its first finished requests (the CPU build's two-layer model: ~5e-6)
+PRIOR_PREFILL_SECONDS_PER_TOKEN = 5e-5
+#: the backlog counted as empty below this (float residue of many small drains)
+_EPSILON = 1e-9
+
+
+class PrefillPace:
+    """One engine's prefill backlog: seconds of the prompts forwarded, drained by the clock."""
+
+    __slots__ = ("_at", "_backlog", "_clock")
+
+    def __init__(self, *, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._backlog = 0.0  # seconds of prefill, as of ``_at``
+        self._at = clock()
+
+    def backlog(self) -> float:
+        """Seconds of prefill forwarded and not yet presumed done."""
+        now = self._clock()
+        self._backlog = max(0.0, self._backlog - (now - self._at))
+        self._at = now
+        return self._backlog
+
+    def hold(self, pace: float) -> float:
+        """Seconds a request held to ``pace`` must still wait before it may go (0: now)."""
+        over = self.backlog() - pace
+        return over + _EPSILON if over >= 0 else 0.0
+
+    def sent(self, prompt_tokens: int, seconds_per_token: float | None) -> None:
+        """A request with ``prompt_tokens`` to prefill was forwarded to this engine."""
+        per_token = seconds_per_token
+        if per_token is None:
+            per_token = PRIOR_PREFILL_SECONDS_PER_TOKEN
+        self._backlog = self.backlog() + prompt_tokens * per_token
+
+
+class PacedPools:
+    """``--priority-pace`` over the engines' pools: whether a request of a positive priority must
+    wait for a pool's backlog, and the queue's next try when it must (``pump``, on the event
+    loop, once the backlog will have drained)."""
+
+    __slots__ = ("_clock", "_due", "_pump", "_timer", "seconds")
+
+    def __init__(self, seconds: float, pump: Callable[[], None], *, clock: Callable[[], float]):
+        self.seconds = seconds  # 0: not paced
+        self._pump = pump
+        self._clock = clock
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = math.inf  # when the timer fires
+
+    def holds(self, pace: PrefillPace) -> bool:
+        """Whether a paced request must wait for the backlog ``pace`` keeps."""
+        wait = pace.hold(self.seconds)
+        if wait <= 0:
+            return False
+        due = self._clock() + wait
+        if self._timer is None or due < self._due:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # decided off the event loop (the pure core's tests)
+                return True
+            if self._timer is not None:
+                self._timer.cancel()
+            self._due = due
+            self._timer = loop.call_later(wait, self._fire)
+        return True
+
+    def _fire(self) -> None:
+        self._timer, self._due = None, math.inf
+        self._pump()
