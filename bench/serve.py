@@ -26,6 +26,7 @@ Results: ``bench/results/serve.json`` (``serve-sim.json`` for the simulated engi
 repetition's figures as the client saved them) and a markdown table on stdout.
 
     python -m bench.serve [--num-prompts 32] [--input-len 256] [--output-len 600] [--reps 2]
+        [--omp-threads 1]
     python -m bench.serve --engine sim [--reps 3] [--time-scale 2] [--num-prompts 64]
 """
 
@@ -226,6 +227,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=None, help="cpu: 600; sim: 576 (mean)")
     p.add_argument("--reps", type=int, default=None, help="cpu: 2; sim: 3")
     p.add_argument("--out", type=Path, default=None, help="cpu: serve.json; sim: serve-sim.json")
+    p.add_argument(
+        "--omp-threads",
+        type=int,
+        default=1,
+        help="cpu: the CPU engine's OpenMP threads (harness.vllm_cpu.VllmServer.omp_threads)",
+    )
     sim = p.add_argument_group("--engine sim")
     sim.add_argument(
         "--range-ratio",
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(),
     }
     raw["reps"] = []
-    with VllmServer() as server:
+    with VllmServer(omp_threads=args.omp_threads) as server:
         warm_up_vllm(server.url)
         for k in range(args.reps):
             rep: dict[str, Any] = {}
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return raw
 
 
-CPU_ARGS = ("num_prompts", "input_len", "output_len", "reps")
+CPU_ARGS = ("num_prompts", "input_len", "output_len", "reps", "omp_threads")
 
 
 # --- the simulated GPU engine -------------------------------------------------------------------

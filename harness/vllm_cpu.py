@@ -186,7 +186,13 @@ class VllmServer:
     """A vLLM OpenAI server process (CPU build) on a free loopback port.
 
     ``num_gpu_blocks`` pins the KV pool (``--num-gpu-blocks-override``); ``None`` lets vLLM size
-    it from ``kv_cache_space_gib`` (``VLLM_CPU_KVCACHE_SPACE``).
+    it from ``kv_cache_space_gib`` (``VLLM_CPU_KVCACHE_SPACE``). ``omp_threads``: the engine's
+    OpenMP threads (``OMP_NUM_THREADS``), one by default. With one per core (torch's default) on
+    a two-core host that also runs vLLM's API server, the sidecar and the clients, a thread
+    descheduled by any of them stalls the engine's every parallel region while the other spins:
+    ``vllm bench serve``'s burst ran direct at 1,554-1,725 output tokens/s with two threads and
+    2,048-2,255 with one (three repetitions each, the two runs one after the other:
+    BENCHMARKS.md, One OpenMP thread for the CPU engine).
     """
 
     num_gpu_blocks: int | None = 64
@@ -200,6 +206,7 @@ class VllmServer:
     served_name: str = SERVED_NAME
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    omp_threads: int = 1
 
     @property
     def url(self) -> str:
@@ -241,6 +248,7 @@ class VllmServer:
         env.update(
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_space_gib),
             VLLM_CPU_OMP_THREADS_BIND="nobind",
+            OMP_NUM_THREADS=str(self.omp_threads),
             VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
