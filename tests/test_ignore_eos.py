@@ -17,9 +17,10 @@ import pytest
 
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
-from sidecar.admission.costs import PRIOR_FIXED_SHARE
-from sidecar.admission.ends import COLD_OUTPUT_TOKENS
+from sidecar.admission.costs import PRIOR_FIXED_SHARE, EngineCosts
+from sidecar.admission.ends import CHEAP_RECOMPUTE_STEPS, COLD_OUTPUT_TOKENS, Ends
 from sidecar.admission.learner import LengthLearner, request_class
+from sidecar.config import ReservationMode
 from sidecar.counting.request import parse_generation
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
@@ -124,6 +125,26 @@ def test_a_cold_adaptive_sidecar_risks_an_ignore_eos_request_from_the_floor() ->
         assert d.admitted
         admitted += 1
     assert admitted == 63 // math.ceil((300 + COLD_OUTPUT_TOKENS) / 128)
+
+
+def test_a_guessed_fixed_share_risks_no_dear_recompute() -> None:
+    """The prior's fixed share is a guess: it risks a request from the floor only where the
+    recompute is cheap (at most ``CHEAP_RECOMPUTE_STEPS`` decode steps). A prompt of 3,000 tokens
+    with an answer of 700 recomputes in 3.6 steps by the prior's 1,024 tokens a step, less than
+    the 23 steps the guessed share says it saves in a batch of 15, and is still reserved all of
+    its max_tokens until the decode line is measured; a long-prompt request that does not run to
+    its max_tokens is reserved to a length quantile (the second opinion may judge it), not risked
+    from the floor."""
+    rule = Ends(ReservationMode.adaptive, LengthLearner(), risk_steps=1.0)
+    costs = EngineCosts()
+    assert costs.fixed_share() is None
+    assert costs.recompute_steps(3700) > CHEAP_RECOMPUTE_STEPS
+    assert costs.gain_steps(700, 15) > costs.recompute_steps(3700)
+    assert rule.end(EOS, 300, 700, costs, 15) == COLD_OUTPUT_TOKENS  # cheap: risked
+    assert rule.end(EOS, 3000, 700, costs, 15) == 700  # dear: all of it
+    klass = request_class("completions", 1024)
+    assert costs.recompute_steps(2000 + COLD_OUTPUT_TOKENS) > CHEAP_RECOMPUTE_STEPS
+    assert rule.spread_quantile(klass, 2000, 1024, costs) is not None
 
 
 def test_an_ignore_eos_answer_teaches_the_learner_nothing() -> None:

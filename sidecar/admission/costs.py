@@ -24,7 +24,8 @@ ratio alike):
   weights once per step for the whole batch; what one sequence more gains
   (:meth:`EngineCosts.gain_steps`, over the recent batch or the one it would join, whichever
   is larger). A line whose slope is not positive tells nothing (noise, or a batch that never
-  varied); until one is solved the fixed share is :data:`PRIOR_FIXED_SHARE`;
+  varied); until one is solved the fixed share is :data:`PRIOR_FIXED_SHARE`, which
+  admission weighs against a cheap recompute only (``sidecar.admission.ends``);
 - the **prefill cost**: each finished request's prefill (``vllm:request_prefill_time_seconds``:
   from being scheduled to its first token) less a decode step is what its prompt's computed
   tokens added to the step it ran in; summed over the interval's requests and over their prompt

@@ -24,7 +24,8 @@ A request that sets ``ignore_eos`` (its class ends in ``+ignore_eos``) will reac
 ``max_tokens``: it is reserved all of it, except in adaptive mode where running it now saves more
 than even a certain recompute costs (then it is risked at the floor, as vLLM risks it: cold, by
 the priors, a decode step half fixed and 1,024 prompt tokens a step, that is every such request
-whose answer is long beside its prompt and the batch it joins). In every
+whose answer is long beside its prompt and the batch it joins and whose recompute costs at most
+:data:`CHEAP_RECOMPUTE_STEPS`: a guessed share risks no dearer one). In every
 mode an answer past its end is expected to run to twice what it has
 (``Reservation.end``), and vLLM's preemptions widen the learned ends for a while.
 
@@ -181,8 +182,8 @@ class Ends:
         likely = self._likely(klass, max_tokens)
         # the recompute a request may risk: what running it in the batch saves (measured; it
         # may then be reserved to the median), at least --risk-steps
-        gain = costs.gain_steps(likely, concurrency)
         recompute = costs.recompute_steps(prompt_tokens + likely)
+        gain = _gain(costs, likely, concurrency, recompute)
         risk = max(self.risk_steps, gain)
         if recompute <= CHEAP_RECOMPUTE_STEPS:
             return SURE, likely, risk, recompute
@@ -257,7 +258,7 @@ class Ends:
         benchmark client sends), and vLLM would preempt it for certain where the pool cannot
         hold it to its end."""
         recompute = costs.recompute_steps(prompt_tokens + max_tokens)
-        gain = costs.gain_steps(max_tokens, concurrency)
+        gain = _gain(costs, max_tokens, concurrency, recompute)
         return gain > self.risk_steps and gain >= recompute
 
     def _pooled_tail(self, klass: str, quantile: float, max_tokens: int, concurrency: float) -> int:
@@ -302,3 +303,15 @@ class Ends:
                 out[klass] = end
         return out
 
+
+def _gain(costs: EngineCosts, tokens: float, concurrency: float, recompute: float) -> float:
+    """What running a sequence of ``tokens`` in the batch saves, in decode steps
+    (``EngineCosts.gain_steps``), as admission may weigh it against a recompute of ``recompute``
+    steps: while the decode line is not measured the step's fixed share is a prior
+    (``PRIOR_FIXED_SHARE``), and a guess risks only a cheap recompute (at most
+    :data:`CHEAP_RECOMPUTE_STEPS`); a dearer one waits for the measured share (0 until then).
+    Taken on a guess, a burst of long prompts with long answers would be admitted by its
+    floor, which is what makes vLLM run dry mid-decode and preempt (``Ends.risked``)."""
+    if costs.fixed_share() is None and recompute > CHEAP_RECOMPUTE_STEPS:
+        return 0.0
+    return costs.gain_steps(tokens, concurrency)
