@@ -116,12 +116,19 @@ async def _pump_body(
     sse: bool,
     anthropic: bool = False,
 ) -> None:
+    held = b""  # an SSE event's first part, until its end arrives (_whole_events)
     try:
         with map_httpx_exceptions():
             async for chunk in response.aiter_raw():
                 if on_chunk is not None:
                     on_chunk(chunk)
+                if sse:
+                    chunk, held = _whole_events(held + chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if held:  # an answer that ended without its last separator: as vLLM sent it
+            await send({"type": "http.response.body", "body": held, "more_body": True})
     except UpstreamError as exc:
         log.warning("upstream failed mid-answer: %s", exc)
         if sse:  # tell an SSE client what happened before ending the stream
@@ -135,6 +142,36 @@ async def _pump_body(
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         raise
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+#: SSE's event separators (the spec's three line ends, doubled)
+_SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+#: the most of an SSE event held back waiting for its end (an upstream that never separates its
+#: events is relayed as it comes, a chunk of this size at a time)
+MAX_HELD = 1 << 16
+
+
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    r"""``data`` cut after its last SSE event separator: the whole events to relay now, and the
+    start of the next event to hold until its end arrives (nothing held past :data:`MAX_HELD`).
+
+    vLLM writes each event whole, and clients read them so: vLLM's own benchmark client
+    (``vllm bench serve``) strips every chunk it reads before parsing, so a chunk cut just
+    after an event's ``data: `` reached it as ``data:{...}``, which it could not parse (a
+    request of a burst failed so through the sidecar). The sidecar's upstream reads end
+    wherever vLLM's socket had data, so they are cut here again at event ends.
+
+    >>> _whole_events(b'data: {"a": 1}\n\ndata: ')
+    (b'data: {"a": 1}\n\n', b'data: ')
+    >>> _whole_events(b"data: [DONE]\r\n\r\n")
+    (b'data: [DONE]\r\n\r\n', b'')
+    >>> _whole_events(b"data: {")
+    (b'', b'data: {')
+    """
+    cut = max(data.rfind(sep) + len(sep) if sep in data else 0 for sep in _SEPARATORS)
+    if cut == 0 and len(data) > MAX_HELD:
+        return data, b""
+    return data[:cut], data[cut:]
 
 
 async def read_small(response: httpx.Response, limit: int) -> bytes | None:
