@@ -764,17 +764,28 @@ async def test_client_disconnects_abort_upstream_and_release_the_reservation(
             out["mid_prefill_vllm_generated"] = after_c["generated"] - before["generated"]
             assert out["mid_prefill_vllm_generated"] < c_max_tokens, (before, after_c)
 
-            # D leaves while vLLM generates its (non-streamed) answer: D is admitted and sent,
-            # then vLLM is frozen (SIGSTOP: however fast it decodes, it cannot finish the answer
-            # first; its metrics lag too much to wait for them), the client leaves, and vLLM runs
-            # on to see it gone
+            # D leaves while vLLM generates its (non-streamed) answer: D is sent with vLLM's
+            # engine stopped (its API server running: frozen_engine), so that however fast the
+            # host decodes, D cannot be answered before the sidecar is seen holding it (on the
+            # free-running engine a fresh-clone CI's D was admitted and answered between two
+            # reads of /state); the engine then runs in pulses for a second (D decodes, a few
+            # dozen tokens at most) and is stopped, the client leaves, and vLLM runs on to see
+            # it gone
             before = await engine.settled()
             body_d = completion_body(short[3], max_tokens, stream=False, model=model)
-            task_d = asyncio.ensure_future(client.post(sc.url + "/v1/completions", json=body_d))
-            await sidecar_until(client, sc, "D admitted", lambda s: s["in_flight"] == 1, 30)
-            await asyncio.sleep(0.1)  # the sidecar forwards D, vLLM starts it
-            out["non_streamed_left_after_s"] = 0.1
-            with paused(vllm.server):
+            with frozen_engine(vllm):
+                task_d = asyncio.ensure_future(client.post(sc.url + "/v1/completions", json=body_d))
+                await sidecar_until(client, sc, "D admitted", lambda s: s["in_flight"] == 1, 30)
+                await asyncio.sleep(0.1)  # the sidecar forwards D, vLLM's API server takes it
+                pulsing = asyncio.ensure_future(_pulse_engine(vllm))
+                try:
+                    await asyncio.sleep(1.0)
+                finally:
+                    pulsing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await pulsing
+                    _stop_engine(vllm)
+                out["non_streamed_left_after_s"] = 1.1
                 task_d.cancel()
                 t0 = time.monotonic()
                 await asyncio.gather(task_d, return_exceptions=True)
