@@ -1,9 +1,10 @@
 """Moving bytes between the client and vLLM: one request up, the answer back, chunk by chunk.
 
 The upstream response is "peeked" (status and headers read) before the client's response starts;
-its body is relayed without buffering, and a client that goes away cancels the relay (closing
-the upstream response, so vLLM aborts the generation). The HTTP client's errors leave this
-module as ``sidecar.errors.UpstreamError`` only.
+its body is relayed without buffering (an SSE answer is handed on in whole events: the start of
+an event cut on the way in waits for its end, :func:`_whole_events`), and a client that goes
+away cancels the relay (closing the upstream response, so vLLM aborts the generation). The HTTP
+client's errors leave this module as ``sidecar.errors.UpstreamError`` only.
 
 A request runs in the server's task for it, plus one task that watches the client
 (:class:`ClientWatch`): the upstream call and the relay run in the request's own task, and a
