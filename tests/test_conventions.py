@@ -16,6 +16,7 @@ import pytest
 from harness.fake_vllm import FakeServer
 from sidecar.http import refusals
 from tests.support.openai_errors import openai_error, retry_after
+from tests.support.relaying import relay_into
 from tests.support.stack import run_sidecar
 from tests.support.wait import eventually
 
@@ -184,25 +185,11 @@ class _Broken(httpx.AsyncByteStream):
 @pytest.mark.parametrize("anthropic", [True, False])
 async def test_a_broken_stream_ends_with_the_error_event_of_its_api(anthropic: bool) -> None:
     from sidecar.errors import UpstreamError
-    from sidecar.http.relay import ClientWatch, Relay
-
-    async def receive() -> dict[str, Any]:
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
 
     sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
     response = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Broken())
-    relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:1", httpx.Timeout(1.0))
-    watch = ClientWatch(receive)
-    try:
-        with pytest.raises(UpstreamError):
-            await relay.relay(response, send, watch, request_id=b"s-1", anthropic=anthropic)
-    finally:
-        watch.close()
+    with pytest.raises(UpstreamError):
+        await relay_into(sent, response, request_id=b"s-1", anthropic=anthropic)
     assert (b"x-request-id", b"s-1") in sent[0]["headers"]
     last = sent[-2]["body"]
     if anthropic:

@@ -4,14 +4,14 @@ chunk before splitting it into events) reads every event, as it does from vLLM d
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import httpx
 import pytest
 
-from sidecar.http.relay import MAX_HELD, ClientWatch, Relay
+from sidecar.http.relay import MAX_HELD
+from tests.support.relaying import relay_into
 
 EVENTS = [
     b"data: " + json.dumps({"id": "cmpl-1", "choices": [{"text": f" w{k}"}]}).encode() + b"\n\n"
@@ -34,24 +34,10 @@ class _Cut(httpx.AsyncByteStream):
 
 async def relayed(data: bytes, cuts: list[int], sse: bool = True) -> list[bytes]:
     """The bodies the relay sends its client for ``data`` read in the pieces ``cuts`` makes."""
-
-    async def receive() -> dict[str, Any]:
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
     kind = "text/event-stream" if sse else "application/json"
     response = httpx.Response(200, headers={"content-type": kind}, stream=_Cut(data, cuts))
-    relay = Relay(httpx.AsyncHTTPTransport(), "http://127.0.0.1:1", httpx.Timeout(1.0))
-    watch = ClientWatch(receive)
-    try:
-        assert await relay.relay(response, send, watch)
-    finally:
-        watch.close()
+    sent: list[dict[str, Any]] = []
+    assert await relay_into(sent, response)
     assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     return [m["body"] for m in sent[1:-1]]
 
