@@ -66,6 +66,19 @@ class Tally:
     unexpected: list[str] = field(default_factory=list)
 
 
+async def abandoning(url: str, body: dict[str, Any], after: float) -> httpx.Response | None:
+    """A non-streamed request whose client gives up after ``after`` s (None then), on a client
+    of its own: httpcore 1.0.9 can hold a pool slot for good when a request is cancelled while
+    its connection is being made (encode/httpcore#1093). A CI run's soak on one shared client
+    had all six workers fail with PoolTimeout, a 120 s wait for one of 12 slots where at most
+    six requests were live at once."""
+    async with httpx.AsyncClient(timeout=120, trust_env=False) as own:
+        try:
+            return await asyncio.wait_for(own.post(url + "/v1/completions", json=body), after)
+        except TimeoutError:
+            return None
+
+
 async def one_action(
     client: httpx.AsyncClient,
     url: str,
@@ -100,14 +113,13 @@ async def one_action(
                         return  # drop the stream: the block closes the connection
             return
         if action in ("plain", "plain_abandon"):
-            request = client.post(url + "/v1/completions", json=body)
-            if action == "plain_abandon":
-                try:
-                    resp = await asyncio.wait_for(request, rng.uniform(0.05, 1.5))
-                except TimeoutError:
-                    return
+            if action == "plain":
+                resp = await client.post(url + "/v1/completions", json=body)
             else:
-                resp = await request
+                answer = await abandoning(url, body, rng.uniform(0.05, 1.5))
+                if answer is None:
+                    return
+                resp = answer
             tally.statuses[resp.status_code] += 1
             if resp.status_code == 200:
                 usage = resp.json()["usage"]["completion_tokens"]

@@ -9,6 +9,7 @@ close waits in the socket, unprocessed), a blocking server in a thread plays it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import threading
@@ -499,3 +500,49 @@ async def test_a_fresh_connection_is_not_retried() -> None:
         with pytest.raises(httpx.ReadError):
             await c.post(url + "/", content=b"x")
     assert srv.connections == 1
+
+
+async def test_a_request_cancelled_at_any_await_gives_its_slot_back() -> None:
+    """httpcore 1.0.9, under the test clients' httpx, can keep a pool slot for good when a
+    request is cancelled while its connection is being made (encode/httpcore#1093: a CI run's
+    soak lost every slot of its client that way). The sidecar's own pool must not: requests on
+    a pool of two slots, kept full by two slow ones, are cancelled after 0, 1, 2, ... event-loop
+    ticks (waiting for a slot, connecting, sending, reading the head, reading the body), and
+    afterwards every slot is free again and two requests at once are served."""
+    gate = asyncio.Event()
+
+    async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            line, _, _ = await read_request(r)
+            if b"/slow" in line:
+                await gate.wait()
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nab")
+            await w.drain()
+            await asyncio.sleep(0)
+            w.write(b"cd")
+            await w.drain()
+
+    async def cancelled_after(c: httpx.AsyncClient, url: str, ticks: int) -> None:
+        task = asyncio.create_task(c.get(url + "/fast"))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    transport = UpstreamTransport(max_connections=2)
+    srv = Server(answer)
+    async with srv as url:
+        async with httpx.AsyncClient(transport=transport, timeout=5) as c:
+            slow = [asyncio.create_task(c.get(url + "/slow")) for _ in range(2)]
+            for ticks in range(8):  # every slot taken: cancelled while waiting for one
+                await cancelled_after(c, url, ticks)
+            gate.set()
+            assert [(await t).content for t in slow] == [b"abcd", b"abcd"]
+            for ticks in range(40):  # free slots: cancelled connecting, sending, reading
+                await cancelled_after(c, url, ticks)
+            (pool,) = transport._pools.values()
+            assert pool.open == len(pool.idle) <= 2, (pool.open, len(pool.idle))
+            quick = httpx.Timeout(5, pool=1.0)
+            both = await asyncio.gather(*(c.get(url + "/fast", timeout=quick) for _ in range(2)))
+            assert [r.content for r in both] == [b"abcd", b"abcd"]
