@@ -366,7 +366,7 @@ class GenerationPath:
             tracker.feed(chunk, sse=streamed)
             if streamed:
                 gate.started(reservation)  # the first event comes after vLLM's prefill
-                gate.progressed(reservation, tracker.events / sequences)
+                gate.progressed(reservation, tracker.progress(sequences=sequences))
 
         completed = False
         try:

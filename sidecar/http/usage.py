@@ -4,6 +4,8 @@
 >>> t.feed(b'data: {"x": 1}\\n\\ndata: {"usage": {"completion_tokens": 7}}\\n\\n', sse=True)
 >>> t.events, t.completion_tokens
 (2, 7)
+>>> t.progress(sequences=1)  # the usage count, where there is one, is exact
+7.0
 """
 
 from __future__ import annotations
@@ -34,3 +36,19 @@ class UsageTracker:
             if matches:
                 self.completion_tokens = int(matches[-1])
         self._tail = window[-_TAIL_BYTES:]
+
+    def progress(self, *, sequences: int) -> float:
+        """Tokens generated per sequence so far, as far as the answer shows: one event a token
+        a sequence, or, for one sequence, the ``usage`` count where an event carries it (vLLM's
+        continuous usage stats, which a client asks for with ``stream_options.
+        continuous_usage_stats``, or every stream under ``--enable-force-include-usage``).
+
+        Events alone fall behind: vLLM merges a stream's tokens into one event when its reader
+        falls behind (its ``RequestOutputCollector``; ``--stream-interval`` does so on purpose),
+        and a burst through two relay workers on a busy 2-core machine saw 672 events for 700
+        tokens. With n > 1 a chunk's usage counts one choice's tokens (the last one the total),
+        so events are the count there."""
+        events = self.events / max(sequences, 1)
+        if sequences == 1 and self.completion_tokens is not None:
+            return max(events, float(self.completion_tokens))
+        return events
