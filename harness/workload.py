@@ -135,8 +135,10 @@ async def burst(
     ignore_eos: bool = True,
     request_timeout: float = 600.0,
     model: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> list[Result]:
-    """Send every prompt at once and wait for all the answers (``model``: as served, default)."""
+    """Send every prompt at once and wait for all the answers (``model``: as served, default;
+    ``extra``: fields every body gets, over the defaults)."""
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=request_timeout, limits=limits) as client:
         model = model or await model_name(client, url)
@@ -151,6 +153,7 @@ async def burst(
                         stream=stream,
                         ignore_eos=ignore_eos,
                         model=model,
+                        extra=extra,
                     )
                     for p in prompts
                 )

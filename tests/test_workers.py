@@ -44,7 +44,7 @@ from tests.conftest import VllmInfo
 from tests.support.external import unless_external
 from tests.support.owners import admission_owner
 from tests.support.stepped import frozen_engine
-from tests.support.vllm_idle import idle_preemptions
+from tests.support.vllm_idle import around_preemption, idle_preemptions, sampled
 from tests.support.wait import eventually, until
 
 #: a completions request the fake counts as 3 prompt tokens; with max_tokens 900 it may reach
@@ -584,10 +584,18 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
     every request of it before any token is made, on any host: exactly as many as the budget
     holds at their peaks run, the rest queue (8 and 5 on the session vLLM), asserted at that
     instant; then the engine runs them all. The workers' counts reach the owner in their
-    periodic reports, so they are awaited, then asserted exactly."""
+    periodic reports, so they are awaited, then asserted exactly.
+
+    The client asks for vLLM's continuous usage stats, so that the sidecar reads each stream's
+    exact token count off its events (``UsageTracker.progress``). Counted one event a token,
+    a stream whose tokens vLLM merged into fewer events (its reader behind, on a busy machine:
+    672 events for 700 tokens) looks behind, the eight streams' peaks look staggered, and the
+    owner admitted four of the queued beside them: vLLM preempted once in 1 of 14 runs here
+    (and in a fresh-clone CI run). That is open: RELIABILITY.md, known limits."""
     if vllm.model_dir is None:
         unless_external("needs the model's tokenizer to make prompts of an exact length")
     prompt_tokens, max_tokens = 100, 700
+    exact = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if prompt_tokens + max_tokens > vllm.max_model_len:
         unless_external("the requests do not fit this vLLM's context")
     per_request = vllm.blocks_for(prompt_tokens + max_tokens)
@@ -605,7 +613,9 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
 
         async def send() -> tuple[list[Result], dict[str, Any]]:
             with frozen_engine(vllm):
-                sent = asyncio.ensure_future(burst(sc.url, prompts, max_tokens=max_tokens))
+                sent = asyncio.ensure_future(
+                    burst(sc.url, prompts, max_tokens=max_tokens, extra=exact)
+                )
                 # every request decided, none can end: what fits runs, the rest wait
                 state = await asyncio.to_thread(
                     until,
@@ -616,7 +626,8 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
                 assert not sent.done(), sent.result()
             return await sent, state
 
-        results, decided = asyncio.run(send())
+        with sampled(vllm.url) as readings:
+            results, decided = asyncio.run(send())
         assert (decided["in_flight"], decided["queue_depth"]) == (running, count - running), decided
         assert [r.status for r in results] == [200] * count, [r.error for r in results]
         assert [r.completion_tokens for r in results] == [max_tokens] * count
@@ -632,4 +643,5 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
         queued = metric_value(text, "kv_sidecar_requests_total", reason="queued")
         assert queued == count - running, text
         assert sum(served_by(sc).values()) == count, served_by(sc)
-    assert idle_preemptions(vllm.url) == before
+    # a failure shows vLLM's counts around the first preemption, sampled every 0.1 s
+    assert idle_preemptions(vllm.url) == before, around_preemption(readings)

@@ -13,7 +13,11 @@ waits too, but reads the counter anyway once its 30 s are up.)
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -61,3 +65,46 @@ def idle_preemptions(
             f"(floor {kv_floor:g}), preemptions {last.preemptions:g} then {now.preemptions:g}"
         )
         last = now
+
+
+@contextmanager
+def sampled(url: str, every: float = 0.1) -> Iterator[list[tuple[float, Reading]]]:
+    """vLLM's counts read every ``every`` s on a thread while the block runs, as (seconds since
+    the start, reading): what a failed preemption assertion shows (:func:`around_preemption`).
+    A scrape that fails (the engine stopped, the machine busy) is skipped."""
+    readings: list[tuple[float, Reading]] = []
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def run() -> None:
+        while not stop.wait(every):
+            with contextlib.suppress(httpx.HTTPError):
+                readings.append((time.monotonic() - t0, read(url)))
+
+    thread = threading.Thread(target=run, name="vllm-sampler", daemon=True)
+    thread.start()
+    try:
+        yield readings
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def around_preemption(readings: list[tuple[float, Reading]], keep: int = 5) -> str:
+    """The readings either side of the first one whose preemption counter moved, one a line
+    (seconds, running, waiting, KV usage, preemptions); all of the most requests seen."""
+    if not readings:
+        return "no reading of vLLM's counts"
+    first = readings[0][1].preemptions
+    moved = next((i for i, (_, r) in enumerate(readings) if r.preemptions != first), None)
+    most = max(r.running + r.waiting for _, r in readings)
+    lines = [f"{len(readings)} readings; most requests in vLLM at once {most:g}"]
+    if moved is None:
+        lines.append("the preemption counter did not move while sampled")
+        return "\n".join(lines)
+    for at, r in readings[max(0, moved - keep) : moved + keep]:
+        lines.append(
+            f"{at:8.2f}s running {r.running:g} waiting {r.waiting:g} "
+            f"KV {r.kv_usage:.3f} preemptions {r.preemptions:g}"
+        )
+    return "\n".join(lines)
