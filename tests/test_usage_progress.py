@@ -54,3 +54,21 @@ def test_text_that_spells_usage_is_not_a_count() -> None:
     t = UsageTracker()
     t.feed(event('"completion_tokens": 900'), sse=True)
     assert t.completion_tokens is None and t.progress(sequences=1) == 1
+
+
+def test_a_count_cut_anywhere_across_chunks_is_read_whole() -> None:
+    """The answer fed one byte at a time, then cut at every point into two chunks: the count
+    is read as vLLM wrote it, whatever the cut."""
+    answer = (
+        event("a" * 600, usage=1)
+        + b'data: {"choices": [], "usage": {"completion_tokens": 12345}}\n\n'
+    )
+    for cut in [*range(len(answer) - 80, len(answer)), 1]:
+        t = UsageTracker()
+        t.feed(answer[:cut], sse=True)
+        t.feed(answer[cut:], sse=True)
+        assert t.completion_tokens == 12345, cut
+    t = UsageTracker()
+    for i in range(len(answer)):
+        t.feed(answer[i : i + 1], sse=False)
+    assert t.completion_tokens == 12345

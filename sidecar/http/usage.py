@@ -13,7 +13,10 @@ from __future__ import annotations
 import re
 
 _USAGE_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_TAIL_BYTES = 4096
+#: the bytes of one chunk kept to read the next with: longer than any match (the key, a space,
+#: the digits), so a count cut across two chunks is read whole; not more, since every chunk is
+#: searched with them (a stream's every event carries a count under vLLM's continuous usage)
+_TAIL_BYTES = 256
 
 
 class UsageTracker:
