@@ -591,7 +591,8 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
     a stream whose tokens vLLM merged into fewer events (its reader behind, on a busy machine:
     672 events for 700 tokens) looks behind, the eight streams' peaks look staggered, and the
     owner admitted four of the queued beside them: vLLM preempted once in 1 of 14 runs here
-    (and in a fresh-clone CI run). That is open: RELIABILITY.md, known limits."""
+    (and in a fresh-clone CI run). That is open: RELIABILITY.md, observation *Merged stream
+    events*."""
     if vllm.model_dir is None:
         unless_external("needs the model's tokenizer to make prompts of an exact length")
     prompt_tokens, max_tokens = 100, 700

@@ -17,7 +17,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -67,7 +66,7 @@ def idle_preemptions(
         last = now
 
 
-@contextmanager
+@contextlib.contextmanager
 def sampled(url: str, every: float = 0.1) -> Iterator[list[tuple[float, Reading]]]:
     """vLLM's counts read every ``every`` s on a thread while the block runs, as (seconds since
     the start, reading): what a failed preemption assertion shows (:func:`around_preemption`).
