@@ -564,9 +564,9 @@ class AdmissionController:
     def progressed(self, res: Reservation, generated_per_sequence: float) -> None:
         """The request has generated this many tokens per sequence."""
         pool_of = self._pools.pool_of
-        pool_of(res).ledger.advance(res, generated_per_sequence)
+        pool_of(res).ledger.progressed(res, generated_per_sequence)
         for shadow in res.shadows:
-            pool_of(shadow).ledger.advance(shadow, generated_per_sequence)
+            pool_of(shadow).ledger.progressed(shadow, generated_per_sequence)
 
     def release(self, res: Reservation, completion_tokens: int | None = None) -> None:
         """The request is over (answered, failed or abandoned). Idempotent. ``completion_tokens``:

@@ -14,6 +14,9 @@ What is checked (``sidecar.kv.trajectory`` for the peak):
   candidate's, plus what vLLM holds beyond the ledger (traffic that bypasses the sidecar), and
   at least what vLLM holds now plus the candidate's prompt. On stale engine figures only the
   ledger counts (fail-open on the engine, never on the ledger).
+- in strict (worst-case) mode, where the trajectories are laid out, the blocks their streams
+  may hold beyond where they were seen, as far behind vLLM as streams were lately
+  (``sidecar.kv.lag``);
 - the sum of the reserved peaks bounds the future peak from above in strict (worst-case) mode,
   and in the others while no request in flight has run past its reserved end: when even that
   fits, the trajectories need not be laid out.
@@ -150,15 +153,18 @@ def fits(
             return False
         return len(ledger) == 0 and pool.external_blocks == 0
     # the kept bounds first, coarse then fine: while streams advance they settle most decisions
-    # without a pass over the profile or a rebuild
+    # without a pass over the profile or a rebuild; in strict mode, which promises no
+    # preemption, plus what the streams may hold beyond where they were seen, as far behind
+    # vLLM as streams were lately (the other modes lay out learned ends, and take that risk)
+    lag = ledger.lag_blocks() if strict else 0
     for coarse in (True, False):
         least, most = ledger.peak_bounds(candidate, coarse=coarse)
-        if committed_blocks(most, pool, prompt_blocks=prompt) <= budget:
+        if committed_blocks(most + lag, pool, prompt_blocks=prompt) <= budget:
             return True
-        if committed_blocks(least, pool, prompt_blocks=prompt) > budget:
+        if committed_blocks(least + lag, pool, prompt_blocks=prompt) > budget:
             return False
     peak = in_flight_peak(ledger, candidate)
-    return committed_blocks(peak, pool, prompt_blocks=prompt) <= budget
+    return committed_blocks(peak + lag, pool, prompt_blocks=prompt) <= budget
 
 
 def mean_fits(ledger: Ledger, candidate: Reservation, pool: PoolState, budget: int) -> bool:

@@ -38,6 +38,7 @@ from typing import cast
 import numpy as np
 
 from sidecar.kv.blocks import BlockMath
+from sidecar.kv.lag import StreamLag, lag_blocks
 from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
 from sidecar.kv.rows import Bound, Profile, Rows
@@ -158,6 +159,8 @@ class Ledger:
         self._profiles: dict[bool, tuple[int, Profile]] = {}
         self._bounds: dict[bool, Bound] = {}  # the profiles kept past changes, as upper bounds
         self._builds = 0
+        #: how far behind vLLM the streams' visible progress was lately (``sidecar.kv.lag``)
+        self.lag = StreamLag()
 
     def __len__(self) -> int:
         return len(self._active)
@@ -245,6 +248,29 @@ class Ledger:
             self._moved(res, 0, int(res.generated), self._rows.update(res))
             self.version += 1
             self.started_sequences += res.projection.sequences
+
+    def progressed(self, res: Reservation, generated_per_sequence: float) -> None:
+        """A stream's own report of its progress: :meth:`advance`, and how far it moved in one
+        report taken as how far behind vLLM it was (``sidecar.kv.lag``)."""
+        if res.started and not res.released and generated_per_sequence > res.generated:
+            self.lag.jumped(generated_per_sequence - res.generated, now=self._clock())
+        self.advance(res, generated_per_sequence)
+
+    def lag_tokens(self) -> float:
+        """The most tokens per sequence a stream's visible progress was behind vLLM's lately
+        (``sidecar.kv.lag``)."""
+        return self.lag.tokens(now=self._clock())
+
+    def lag_blocks(self) -> int:
+        """The most blocks the started requests may hold at one step beyond their laid-out
+        trajectories, their streams as far behind vLLM as any was lately
+        (``sidecar.kv.lag``): 0 while every report moves a stream by one token."""
+        return lag_blocks(
+            self.lag_tokens(),
+            sequences=self.started_sequences,
+            block_size=self.blocks.block_size,
+            groups=len(self.blocks.group_caps),
+        )
 
     def advance(self, res: Reservation, generated_per_sequence: float) -> None:
         """Record generation progress; a request past its reservation grows it."""

@@ -19,11 +19,13 @@ exact over those points.
 
 Assumptions, and what covers them where they break: one token per step per running sequence
 (speculative decoding can run ahead: the preemption counter tightens expected mode, and the
-headroom absorbs a few tokens); progress is what the sidecar saw (a streamed answer lags vLLM by
-a chunk, and further where vLLM merged its tokens into fewer events with no usage count in them:
-lockstep streams then look staggered and their joint peak lower, RELIABILITY.md's merged stream
-events; a non-streamed one is estimated from vLLM's counters); chunked prefill only delays a
-start, which the unstarted bound covers.
+headroom absorbs a few tokens); progress is what the sidecar saw (a streamed answer lags vLLM,
+by different amounts on different streams: lockstep streams then look staggered and their joint
+peak lower. Where the lag shows as a stream's progress moving by many tokens in one report,
+worst-case mode adds what it may hide, ``sidecar.kv.lag``; where vLLM merged tokens into fewer
+events with no usage count in them it does not show, RELIABILITY.md's merged stream events; a
+non-streamed answer is estimated from vLLM's counters); chunked prefill only delays a start,
+which the unstarted bound covers.
 
 >>> from sidecar.kv.geometry import UniformBlocks
 >>> blocks = UniformBlocks(16)
