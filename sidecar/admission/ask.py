@@ -75,6 +75,9 @@ class KVState:
     #: seconds of prefill forwarded and not yet presumed done, summed over the engines
     #: (``sidecar.admission.pacing``: what ``--priority-pace`` holds positive priorities to)
     prefill_backlog_seconds: float = 0.0
+    #: the most tokens per sequence a stream's visible progress was behind vLLM's lately, the
+    #: most over the engines (``sidecar.kv.lag``: worst-case mode lays that out as held)
+    stream_lag_tokens: float = 0.0
     # per priority and tenant (``sidecar.admission.class_stats``: bounded labels)
     #: (priority, tenant, decision) -> requests decided since the sidecar started
     class_decisions: Mapping[tuple[str, str, str], int] = field(default_factory=dict)

@@ -230,4 +230,5 @@ class Pools:
             step_fixed_share=costs.fixed_share,
             batch_gain_steps_per_token=costs.gain_steps_per_token,
             prefill_backlog_seconds=sum(pool.pace.backlog() for pool in self.live),
+            stream_lag_tokens=max(pool.ledger.lag_tokens() for pool in self.live),
         )

@@ -479,6 +479,14 @@ def cost_families(state: KVState) -> list[Metric]:
             "--priority-pace (kept only while it is set: 0 otherwise).",
             state.prefill_backlog_seconds,
         ),
+        (
+            "stream_lag_tokens",
+            "The most tokens per sequence a stream's visible progress was behind vLLM's in the "
+            "last 5 to 10 s (the largest move of one report, less one), the most over the "
+            "engines; worst-case mode counts each started sequence as holding that much more "
+            "than laid out.",
+            state.stream_lag_tokens,
+        ),
     )
     return [_gauge(name, doc, value) for name, doc, value in figures if value is not None]
 
