@@ -592,7 +592,10 @@ def test_a_burst_through_two_workers_never_makes_vllm_preempt(vllm: VllmInfo) ->
     672 events for 700 tokens) looks behind, the eight streams' peaks look staggered, and the
     owner admitted four of the queued beside them: vLLM preempted once in 1 of 14 runs here
     (and in a fresh-clone CI run). That is open: RELIABILITY.md, observation *Merged stream
-    events*."""
+    events*. Counted exactly, the streams are still seen behind vLLM by different amounts (a
+    stall of a second, then one stream 591 tokens in where the others were 179): worst-case
+    mode adds the lag their jumps show (``sidecar.kv.lag``); a CI run before it preempted twice
+    with the usage stats on."""
     if vllm.model_dir is None:
         unless_external("needs the model's tokenizer to make prompts of an exact length")
     prompt_tokens, max_tokens = 100, 700
