@@ -252,8 +252,9 @@ class Ledger:
     def progressed(self, res: Reservation, generated_per_sequence: float) -> None:
         """A stream's own report of its progress: :meth:`advance`, and how far it moved in one
         report taken as how far behind vLLM it was (``sidecar.kv.lag``)."""
-        if res.started and not res.released and generated_per_sequence > res.generated:
-            self.lag.jumped(generated_per_sequence - res.generated, now=self._clock())
+        moved = generated_per_sequence - res.generated
+        if moved > 1 and res.started and not res.released:  # a token a report: never behind
+            self.lag.jumped(moved, now=self._clock())
         self.advance(res, generated_per_sequence)
 
     def lag_tokens(self) -> float:
