@@ -37,7 +37,7 @@ from harness.exposition import metric_value
 from harness.fake_vllm import FakeServer, FakeVllm, write_model_dir
 from harness.haproxy import SHIPPED as HAPROXY_CFG
 from harness.haproxy import command, haproxy_binary, local_config, show_stat
-from harness.local import free_port
+from harness.local import free_port, log_tail
 from harness.workload import SidecarProcess
 from sidecar.http.agent import AgentServer, Room, agent_reply, weight_percent
 from sidecar.http.lifecycle import ReadyCheck
@@ -308,6 +308,7 @@ class HAProxy:
     shipped) pointed at ``pods``."""
 
     def __init__(self, tmp_path: Path, pods: list[Pod]) -> None:
+        self.pods = pods
         self.port = free_port()
         self.socket_path = tmp_path / "admin.sock"
         servers = {
@@ -353,7 +354,22 @@ class HAProxy:
             servers = self.servers().values()
             return all(s["status"] == "UP" and s["agent_status"] == "L7OK" for s in servers)
 
-        wait_for(checked, "both servers checked and their agents heard", WITHIN)
+        try:
+            wait_for(checked, "both servers checked and their agents heard", WITHIN)
+        except AssertionError as e:  # what HAProxy saw of each pod, and whether its sidecar runs
+            raise AssertionError(f"{e}\n{self.diagnosis()}") from None
+
+    def diagnosis(self) -> str:
+        """Each server's check and agent figures, its sidecar's exit code (None: running) and
+        log's tail, and HAProxy's log's tail (its health-check transitions)."""
+        keys = ("status", "check_status", "last_chk", "agent_status", "last_agt", "chkfail")
+        lines = []
+        for (name, row), pod in zip(sorted(self.servers().items()), self.pods, strict=True):
+            proc = pod.sidecar.proc
+            code = proc.poll() if proc is not None else "not started"
+            lines.append(f"{name}: { ({k: row.get(k) for k in keys}) } sidecar exit code {code}")
+            lines.append(log_tail(pod.sidecar.log_path, 10))
+        return "\n".join([*lines, log_tail(self.log_path, 30)])
 
     def weights(self) -> tuple[int, int]:
         s = self.servers()
