@@ -67,6 +67,7 @@ from harness.vllm_formats import (
     stream_token,
     stream_usage,
     token_text,
+    token_usage,
     tokenize_answer,
     vllm_error,
     write_model_dir,
@@ -142,6 +143,7 @@ class Generation:
     usage: dict[str, int]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a usage event before [DONE]
+    continuous: bool = False  # and continuous_usage_stats: the usage in every event
 
 
 @dataclass(frozen=True)
@@ -455,10 +457,8 @@ class FakeVllm:
         await self._run_watched(receive, body())
 
     async def _run_watched(self, receive: Receive, work: Awaitable[None]) -> None:
-        """Run ``work`` until it ends or the client disconnects (counted in ``aborted``).
-
-        uvicorn's ``send`` ignores writes after a disconnect, so only ``receive`` tells.
-        """
+        """Run ``work`` until it ends or the client disconnects (counted in ``aborted``):
+        uvicorn's ``send`` ignores writes after a disconnect, so only ``receive`` tells."""
 
         async def disconnected() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -531,7 +531,8 @@ class FakeVllm:
         stream = bool(body.get("stream"))
         options = (body.get("stream_options") or {}) if stream else {}
         include_usage = bool(options.get("include_usage"))
-        return Generation(chat, rid, tokens, n, usage, stream, include_usage)
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
+        return Generation(chat, rid, tokens, n, usage, stream, include_usage, continuous)
 
     async def _generate(self, receive: Receive, send: Send, rec: Recorded) -> None:
         planned = self.plan_generation(rec.path, rec.body)
@@ -577,27 +578,25 @@ class FakeVllm:
 
     async def _stream(self, send: Send, g: Generation) -> None:
         head = stream_head(g.chat, g.rid, self.served_name)
+        sse = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        await send({"type": "http.response.start", "status": 200, "headers": sse})
 
         async def event(payload: dict[str, Any]) -> None:
-            await send(
-                {"type": "http.response.body", "body": sse_event(payload), "more_body": True}
-            )
+            body = sse_event(payload)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
 
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
-            }
-        )
+        prompt, counts = g.usage["prompt_tokens"], g.continuous  # the usage in every event
         if g.chat:  # vLLM opens a chat stream with the role, before any token
             for i in range(g.n):
-                await event(stream_opening(head, i))
+                usage = token_usage(True, prompt, 0) if counts else None
+                await event(stream_opening(head, i, usage))
         for step in range(g.tokens):
-            text = await self._decode(step)
-            last = step == g.tokens - 1
+            text, last = await self._decode(step), step == g.tokens - 1
+            usage = token_usage(g.chat, prompt, step + 1) if counts else None
+            mark = last and not g.include_usage  # the fingerprint: no usage event to take it
             for i in range(g.n):
-                await event(stream_token(head, g.chat, i, text, last=last))
+                t = stream_token(head, g.chat, i, text, last=last, usage=usage, fingerprint=mark)
+                await event(t)
         if g.include_usage:
             await event(stream_usage(head, g.usage))
         await send({"type": "http.response.body", "body": SSE_DONE, "more_body": True})

@@ -52,6 +52,7 @@ from harness.vllm_formats import (
     stream_token,
     stream_usage,
     token_text,
+    token_usage,
 )
 
 _JSON = b"application/json"
@@ -250,14 +251,20 @@ class FastProtocol(asyncio.Protocol):
             + b"\r\nserver: uvicorn\r\ncontent-type: text/event-stream; charset=utf-8"
             + b"\r\ntransfer-encoding: chunked\r\n\r\n"
         )
+        prompt = g.usage["prompt_tokens"]
         if g.chat:  # vLLM opens a chat stream with the role, before any token
             for i in range(g.n):
-                self._chunk(sse_event(stream_opening(head, i)))
-        # each choice's event rendered once with a placeholder for its text: the same bytes as
-        # sse_event(stream_token(...)), without a JSON encoding per token
+                usage = token_usage(True, prompt, 0) if g.continuous else None
+                self._chunk(sse_event(stream_opening(head, i, usage)))
+        # each choice's event rendered once with placeholders for its text and its counts: the
+        # same bytes as sse_event(stream_token(...)), without a JSON encoding per token
+        sample = None
+        if g.continuous:
+            counts = {"total_tokens": _TOTAL, "completion_tokens": _COMPLETION}
+            sample = token_usage(g.chat, prompt, 0) | counts
         templates = [
-            sse_event(stream_token(head, g.chat, i, _PLACEHOLDER, last=False)).split(
-                dumps(_PLACEHOLDER)[1:-1]
+            _template(
+                sse_event(stream_token(head, g.chat, i, _PLACEHOLDER, last=False, usage=sample))
             )
             for i in range(g.n)
         ]
@@ -265,11 +272,21 @@ class FastProtocol(asyncio.Protocol):
         for step in range(g.tokens):
             text = token_text(step)
             last = step == g.tokens - 1
-            for i, (before, after) in enumerate(templates):
+            for i, parts in enumerate(templates):
                 if last:
-                    self._chunk(sse_event(stream_token(head, g.chat, i, text, last=True)))
+                    usage = token_usage(g.chat, prompt, step + 1) if g.continuous else None
+                    event = stream_token(
+                        head,
+                        g.chat,
+                        i,
+                        text,
+                        last=True,
+                        usage=usage,
+                        fingerprint=not g.include_usage,
+                    )
+                    self._chunk(sse_event(event))
                 else:
-                    self._chunk(before + dumps(text)[1:-1] + after)
+                    self._chunk(_fill(parts, dumps(text)[1:-1], prompt + step + 1, step + 1))
             self.fake.generation_tokens_total += 1
             # one event per write, like a decoder that emits one token per step: let the other
             # streams (and the proxy) run between events rather than batching them here
@@ -280,6 +297,27 @@ class FastProtocol(asyncio.Protocol):
         self._write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(end), end))
         if not keep_alive:
             self._close()
+
+
+#: placeholders for an event's total and completion token counts in a template (``_fill``)
+_TOTAL, _COMPLETION = 918273645, 546372819
+
+
+def _template(event: bytes) -> list[bytes]:
+    """``event`` cut at its text's placeholder and, where it has them, its counts' placeholders
+    (its total, then its completion tokens, in vLLM's order)."""
+    before, after = event.split(dumps(_PLACEHOLDER)[1:-1])
+    if b"%d" % _TOTAL not in after:
+        return [before, after]
+    middle, rest = after.split(b"%d" % _TOTAL)
+    between, end = rest.split(b"%d" % _COMPLETION)
+    return [before, middle, between, end]
+
+
+def _fill(parts: list[bytes], text: bytes, total: int, completion: int) -> bytes:
+    if len(parts) == 2:
+        return parts[0] + text + parts[1]
+    return b"%s%s%s%d%s%d%s" % (parts[0], text, parts[1], total, parts[2], completion, parts[3])
 
 
 async def serve(fake: FakeVllm, host: str, port: int, *, sse_interval: float = 0.0) -> None:

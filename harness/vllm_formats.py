@@ -229,17 +229,33 @@ def stream_head(chat: bool, rid: str, model: str) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": CREATED, "model": model}
 
 
-def stream_opening(head: dict[str, Any], index: int) -> dict[str, Any]:
-    """The event vLLM opens each choice of a chat stream with: the role, before any token."""
+def stream_opening(
+    head: dict[str, Any], index: int, usage: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The event vLLM opens each choice of a chat stream with: the role, before any token
+    (``usage``: the continuous usage stats, 0 tokens generated, where asked)."""
     delta = {"role": "assistant", "content": ""}
     opening = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-    return {**head, "choices": [opening], "prompt_token_ids": None, "prompt_text": None}
+    event: dict[str, Any] = {**head, "choices": [opening]}
+    if usage is not None:
+        event["usage"] = usage
+    return event | {"prompt_token_ids": None, "prompt_text": None}
 
 
 def stream_token(
-    head: dict[str, Any], chat: bool, index: int, text: str, *, last: bool
+    head: dict[str, Any],
+    chat: bool,
+    index: int,
+    text: str,
+    *,
+    last: bool,
+    usage: dict[str, Any] | None = None,
+    fingerprint: bool = False,
 ) -> dict[str, Any]:
-    """The event of one decode step of choice ``index``; the ``last`` one says why it ended."""
+    """The event of one decode step of choice ``index``; the ``last`` one says why it ended.
+    ``usage``: the continuous usage stats (``stream_options.continuous_usage_stats``);
+    ``fingerprint``: the last event of a stream that did not ask for the usage carries the
+    server's fingerprint (vLLM 0.32; asked, it rides on the usage-only event instead)."""
     choice: dict[str, Any] = {"index": index}
     if chat:
         choice["delta"] = {"content": text}
@@ -249,7 +265,24 @@ def stream_token(
     if last or not chat:
         choice["stop_reason"] = None
     choice["token_ids"] = None
-    return {**head, "choices": [choice]}
+    event: dict[str, Any] = {**head, "choices": [choice]}
+    if usage is not None:
+        event["usage"] = usage
+    if fingerprint:
+        event["system_fingerprint"] = FINGERPRINT
+    return event
+
+
+def token_usage(chat: bool, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """An event's continuous usage stats, in vLLM's order (a chat's names no details: null)."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+    if chat:
+        usage["completion_tokens_details"] = None
+    return usage
 
 
 def stream_usage(head: dict[str, Any], usage: dict[str, int]) -> dict[str, Any]:
