@@ -275,6 +275,12 @@ class Settings(BaseSettings):
     priority orders (and preempts) as the sidecar's queue does. vLLM's API docs say another
     vLLM refuses a priority other than 0; vLLM 0.32's code does not check it (its FCFS queue
     ignores the field). A priority the body carries is always forwarded as sent."""
+    stream_usage: bool = True
+    """Ask vLLM for its usage count on every event of a streamed completion or chat answer of one
+    sequence whose client sent no stream_options, and take it back out of what the client
+    receives: vLLM merges a stream's tokens into one event when its reader falls behind, and the
+    count keeps the sidecar's view of the stream exact. Turn it off against a vLLM started with
+    --enable-force-include-usage, whose clients expect the usage on every stream."""
     max_concurrent_counts: int | None = Field(default=None, gt=0)
     """Long prompts (over 2,000 characters) tokenized at once, each on a worker thread (default:
     the CPUs the sidecar may use, less one left to the event loop; from 1 to 4)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -311,6 +312,55 @@ async def test_generation_passes_through_byte_for_byte(
     assert tokenized["model"] == "tiny"
     assert count_prompt(tokenized) == prompt_tokens
     assert stack.sample("kv_sidecar_completion_tokens_total") == 16
+
+
+def _without_ids(answer: bytes) -> bytes:
+    """An answer with its id blanked: the fake derives it from the body it got."""
+    return re.sub(rb'"id":"[^"]*"', b'"id":""', answer)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_that_asked_no_usage_is_counted_by_vllms_count_and_relayed_as_asked(
+    stack: Stack, path: str
+) -> None:
+    """``--stream-usage`` (the default): the sidecar asks vLLM for the usage on every event of
+    a stream whose client asked for none, and the client gets what it asked for."""
+    body = (chat if path.endswith("chat/completions") else completion)(stream=True)
+    raw = json.dumps(body).encode()
+    direct = await stack.direct.post(path, content=raw)
+    proxied = await stack.client.post(path, content=raw)
+    assert proxied.status_code == direct.status_code == 200
+    assert b'"usage"' not in direct.content and b"system_fingerprint" in direct.content
+    assert _without_ids(proxied.content) == _without_ids(direct.content)
+    sent = stack.fake.requests_to(path)[-1].json()
+    assert sent.pop("stream_options") == {"include_usage": True, "continuous_usage_stats": True}
+    assert sent == body
+    await eventually(stack.ledger_empty, "the reservation was released")
+    assert stack.sample("kv_sidecar_completion_tokens_total") == 16
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"n": 2}, {"stream_options": {"include_usage": False}}],
+    ids=["n2", "own-options"],
+)
+async def test_a_stream_of_several_choices_or_with_its_own_options_goes_as_sent(
+    stack: Stack, extra: dict[str, Any]
+) -> None:
+    raw = json.dumps(completion(stream=True, **extra)).encode()
+    direct = await stack.direct.post("/v1/completions", content=raw)
+    proxied = await stack.client.post("/v1/completions", content=raw)
+    assert proxied.content == direct.content
+    assert stack.fake.requests_to("/v1/completions")[-1].body == raw
+
+
+async def test_without_stream_usage_a_stream_goes_as_sent(upstream: FakeServer) -> None:
+    async with run_sidecar(upstream, stream_usage=False) as stack:
+        raw = json.dumps(completion(stream=True)).encode()
+        direct = await stack.direct.post("/v1/completions", content=raw)
+        proxied = await stack.client.post("/v1/completions", content=raw)
+        assert proxied.content == direct.content
+        assert stack.fake.requests_to("/v1/completions")[-1].body == raw
 
 
 async def test_a_stream_holds_its_reservation_until_it_ends(stack: Stack) -> None:

@@ -191,6 +191,33 @@ def test_a_sidecar_in_front_sees_the_gpu_pool_and_passes_the_length_through(
         proc.wait(timeout=30)
 
 
+def test_a_stream_batched_by_stream_interval_is_counted_by_vllms_count(sim: SimServer) -> None:
+    """A request's ``stream_interval`` makes vLLM send one event per 50 tokens: counted by its
+    events the sidecar saw 32 tokens of a 1,500-token answer. Asked for the usage on every event
+    (``--stream-usage``, the default), it counts all 1,500, and the client, which asked for
+    none, gets no usage."""
+    from harness.workload import SidecarProcess, metric_value
+    from tests.support.wait import wait_for
+
+    body = {
+        "model": sim.served_name,
+        "prompt": "through the sidecar",
+        "max_tokens": 1600,
+        "stream": True,
+        "stream_interval": 50,
+        "vllm_xargs": {"sim_output_tokens": 1500},
+    }
+    with SidecarProcess(sim.url, "--model-config", str(sim.model_dir)) as sc:
+        with httpx.stream("POST", sc.url + "/v1/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200, resp.read()
+            events = [line for line in resp.iter_lines() if line.startswith("data: {")]
+        assert len(events) < 100  # batched: one event for many tokens
+        assert not any('"usage"' in e for e in events)
+        wait_for(lambda: sc.state()["in_flight"] == 0, "the stream released", 30)
+        counted = metric_value(sc.metrics(), "kv_sidecar_completion_tokens_total")
+    assert counted == 1500
+
+
 def test_the_calibration_script_compares_two_servers(
     sim: SimServer, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -53,6 +53,7 @@ from sidecar.http.headers import (
 )
 from sidecar.http.relay import ClientWatch, Relay, read_body, read_small, replay, respond
 from sidecar.http.seams import Engine, Gate, MetricsSink
+from sidecar.http.stream_usage import UsageStripper, ask_usage, wants_usage
 from sidecar.http.types import Receive, Scope, Send
 from sidecar.http.usage import UsageTracker
 from sidecar.kv.ledger import Reservation
@@ -104,6 +105,7 @@ class GenerationPath:
         priority_rules: Sequence[PriorityRule] = (),
         forward_priority: bool = False,
         spill_status: int = 429,
+        stream_usage: bool = True,
     ) -> None:
         self.gate = gate
         self.engine = engine
@@ -115,6 +117,7 @@ class GenerationPath:
         self.priority_rules = tuple(priority_rules)  # --priority-rules
         self.forward_priority = forward_priority  # --forward-priority
         self.spill_status = spill_status  # --spill-status: a spilled refusal's status
+        self.stream_usage = stream_usage  # --stream-usage: vLLM's count on every event
 
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, raw_path: bytes, endpoint: str
@@ -329,6 +332,13 @@ class GenerationPath:
             headers = [(k, v) for k, v in headers if k.lower() != DP_RANK_HEADER]
             headers.append((DP_RANK_HEADER, reservation.engine.encode()))
         url = self.relay.url(raw_path, scope["query_string"])
+        # vLLM's count on every event of a stream whose client asked for none, taken back out
+        # of what the client receives (sidecar.http.stream_usage)
+        asked = None
+        if self.stream_usage and wants_usage(record.endpoint, request.body, projection.sequences):
+            asked = ask_usage(raw)
+        if asked is not None:
+            raw = asked
         if trace is not None:
             headers = trace.upstream_headers(headers, url)
         # A non-streamed answer's headers come only when vLLM has finished: watch the client
@@ -379,6 +389,7 @@ class GenerationPath:
                 on_chunk,
                 request_id=record.id_header,
                 anthropic=record.endpoint == "messages",
+                transform=UsageStripper() if asked is not None else None,
             )
         except UpstreamError as exc:
             self.metrics.upstream_failed(exc.kind)

@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -85,12 +85,16 @@ class Relay:
         *,
         request_id: bytes | None = None,
         anthropic: bool = False,
+        transform: EventFilter | None = None,
     ) -> bool:
         """Relay status, headers and body; False when the client went away first.
 
         ``request_id``: the ``X-Request-Id`` the answer carries when vLLM's has none (vLLM adds
         it only with ``--enable-request-id-headers``, from the one the sidecar sent).
         ``anthropic``: a stream that breaks off ends with Anthropic's ``event: error``.
+        ``transform``: applied to a stream's whole events before they are relayed (what the
+        sidecar added to vLLM's answer taken out: ``sidecar.http.stream_usage``); ``on_chunk``
+        reads them before it.
 
         Raises :class:`~sidecar.errors.UpstreamError` when vLLM's answer broke off (the client's
         response is then already ended, with an SSE error event for a stream).
@@ -105,9 +109,20 @@ class Relay:
             await send(
                 {"type": "http.response.start", "status": response.status_code, "headers": headers}
             )
-            await _pump_body(response, send, on_chunk, sse, anthropic)
+            await _pump_body(response, send, on_chunk, sse, anthropic, transform)
             return True
         return False  # the client left: the guard stopped the relay
+
+
+class EventFilter(Protocol):
+    """What a stream's whole events pass through before they are relayed
+    (``sidecar.http.stream_usage.UsageStripper``)."""
+
+    def __call__(self, events: bytes) -> bytes: ...
+
+    def flush(self) -> bytes:
+        """What it still holds, at the stream's end."""
+        ...
 
 
 async def _pump_body(
@@ -116,6 +131,7 @@ async def _pump_body(
     on_chunk: Callable[[bytes], None] | None,
     sse: bool,
     anthropic: bool = False,
+    transform: EventFilter | None = None,
 ) -> None:
     held = b""  # an SSE event's first part, until its end arrives (_whole_events)
     try:
@@ -125,13 +141,20 @@ async def _pump_body(
                     on_chunk(chunk)
                 if sse:
                     chunk, held = _whole_events(held + chunk)
+                    if transform is not None and chunk:
+                        chunk = transform(chunk)
                     if not chunk:
                         continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if transform is not None:
+            held = transform.flush() + held
         if held:  # an answer that ended without its last separator: as vLLM sent it
             await send({"type": "http.response.body", "body": held, "more_body": True})
     except UpstreamError as exc:
         log.warning("upstream failed mid-answer: %s", exc)
+        tail = transform.flush() if transform is not None else b""
+        if tail:  # the event that ended the choice, held for the usage-only one that never came
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
         if sse:  # tell an SSE client what happened before ending the stream
             message = f"vLLM failed mid-answer: {type(exc.__cause__ or exc).__name__}"
             if anthropic:  # Anthropic's stream error event

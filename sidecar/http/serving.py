@@ -45,6 +45,7 @@ def build_proxy(
             priority_rules=parse_priority_rules(settings.priority_rules),
             forward_priority=settings.forward_priority,
             spill_status=settings.spill_status,
+            stream_usage=settings.stream_usage,
         ),
         traffic=traffic,
         metrics=metrics,

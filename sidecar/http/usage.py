@@ -34,10 +34,13 @@ class UsageTracker:
         if sse:
             self.events += chunk.count(b"data:")
         window = self._tail + chunk
-        if b"completion_tokens" in window:
-            matches = _USAGE_COMPLETION.findall(window)
-            if matches:
-                self.completion_tokens = int(matches[-1])
+        at = window.rfind(b'"completion_tokens"')
+        while at >= 0:  # the last count in the window (a text that spells the key is no count)
+            found = _USAGE_COMPLETION.match(window, at)
+            if found:
+                self.completion_tokens = int(found[1])
+                break
+            at = window.rfind(b'"completion_tokens"', 0, at)
         self._tail = window[-_TAIL_BYTES:]
 
     def progress(self, *, sequences: int) -> float:

@@ -1,0 +1,135 @@
+"""``--stream-usage`` (the default) in front of the real vLLM: a stream whose client asked for no
+usage is asked for vLLM's count on every event, counted by it, and reaches its client as vLLM
+sends it unasked (ids and timestamps aside: vLLM draws them per request); and the vLLM 0.32
+stream formats the fake and tests/test_stream_usage.py build on are the real server's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from harness.workload import SidecarProcess, metric_value
+from tests.conftest import VllmInfo
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.vllm
+
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def sidecar(vllm: VllmInfo) -> Iterator[SidecarProcess]:
+    with SidecarProcess(vllm.url) as sc:
+        yield sc
+
+
+def _body(vllm: VllmInfo, chat: bool, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": vllm.served_name,
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Count the birds in the garden."}]
+    else:
+        body["prompt"] = "Count the birds in the garden."
+    return body
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> bytes:
+    answer = httpx.post(url + path, json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.content
+
+
+def _drawn(answer: bytes) -> bytes:
+    """An answer with what vLLM draws per request blanked: its id and its timestamp."""
+    answer = re.sub(rb'"id":"[^"]*"', b'"id":""', answer)
+    return re.sub(rb'"created":\d+', b'"created":0', answer)
+
+
+def _events(answer: bytes) -> list[bytes]:
+    return [e for e in answer.split(b"\n\n") if e]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_the_stream_formats_are_vllms(vllm: VllmInfo, chat: bool) -> None:
+    """What sidecar/http/stream_usage.py strips, as vLLM 0.32 writes it: asked, every event
+    carries the usage after its choices and a usage-only event carries the fingerprint;
+    unasked, the last token's event carries it."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    asked = _events(_post(vllm.url, path, _body(vllm, chat, stream_options=options)))
+    unasked = _events(_post(vllm.url, path, _body(vllm, chat)))
+    assert asked[-1] == unasked[-1] == b"data: [DONE]"
+    usage_only = json.loads(asked[-2].removeprefix(b"data: "))
+    assert usage_only["choices"] == [] and usage_only["usage"]["completion_tokens"] == TOKENS
+    assert "system_fingerprint" in usage_only
+    for event in asked[:-2]:
+        assert re.search(rb'\],"usage":\{"prompt_tokens":\d+,"total_tokens":\d+,', event), event
+        assert b"system_fingerprint" not in event
+    last = json.loads(unasked[-2].removeprefix(b"data: "))
+    assert last["system_fingerprint"] == usage_only["system_fingerprint"]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert all(b'"usage"' not in e for e in unasked)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_stream_that_asked_no_usage_reaches_its_client_as_vllm_sends_it(
+    vllm: VllmInfo, sidecar: SidecarProcess, chat: bool
+) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    before = metric_value(sidecar.metrics(), "kv_sidecar_completion_tokens_total") or 0.0
+    direct = _post(vllm.url, path, _body(vllm, chat))
+    proxied = _post(sidecar.url, path, _body(vllm, chat))
+    assert _drawn(proxied) == _drawn(direct)
+    wait_for(lambda: sidecar.state()["in_flight"] == 0, "the stream released", 30)
+    after = metric_value(sidecar.metrics(), "kv_sidecar_completion_tokens_total")
+    assert after == before + TOKENS
+
+
+def test_the_openai_client_streams_through_it_at_its_defaults(
+    vllm: VllmInfo, sidecar: SidecarProcess
+) -> None:
+    """The official client, streaming a chat: unasked, no chunk has a usage; asked, its own
+    usage-only chunk arrives as vLLM sends it."""
+    client = openai.OpenAI(base_url=sidecar.url + "/v1", api_key="unused")
+    messages: Any = [{"role": "user", "content": "Count the birds in the garden."}]
+    extra = {"ignore_eos": True}
+    chunks = list(
+        client.chat.completions.create(
+            model=vllm.served_name,
+            messages=messages,
+            max_tokens=TOKENS,
+            stream=True,
+            extra_body=extra,
+        )
+    )
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].system_fingerprint is not None
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    asked = list(
+        client.chat.completions.create(
+            model=vllm.served_name,
+            messages=messages,
+            max_tokens=TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    assert asked[-1].choices == [] and asked[-1].usage is not None
+    assert asked[-1].usage.completion_tokens == TOKENS
+    client.close()
