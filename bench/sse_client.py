@@ -54,6 +54,7 @@ async def run(
     duration: float,
     chat: bool,
     interval_ms: float | None = None,
+    usage: bool = True,
 ) -> dict[str, float | str]:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
@@ -64,7 +65,9 @@ async def run(
         }
     else:
         body = {"model": "tiny", "prompt": "stream me some tokens please"}
-    body.update(max_tokens=events, stream=True, stream_options={"include_usage": True})
+    body.update(max_tokens=events, stream=True)
+    if usage:  # else no stream_options, as most clients send it
+        body["stream_options"] = {"include_usage": True}
     payload = json.dumps(body).encode()
     path = "/v1/chat/completions" if chat else "/v1/completions"
     pacing = "" if interval_ms is None else f"x-bench-interval-ms: {interval_ms}\r\n"
@@ -114,6 +117,11 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="ask the fast fake vLLM to pace events (x-bench-interval-ms)",
     )
+    parser.add_argument(
+        "--no-usage",
+        action="store_true",
+        help="send no stream_options (the default asks for the usage chunk)",
+    )
     args = parser.parse_args(argv)
     import uvloop
 
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             duration=args.duration,
             chat=args.chat,
             interval_ms=args.interval_ms,
+            usage=not args.no_usage,
         )
     )
     print(json.dumps(result), flush=True)

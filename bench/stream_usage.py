@@ -1,0 +1,132 @@
+"""What ``--stream-usage`` (on by default) costs the relay: streams whose client asked for no
+usage, through a sidecar that asks vLLM for the usage on every event and strips it, against one
+run with ``--no-stream-usage``, on the same fake vLLM in the same rounds.
+
+    python -m bench.stream_usage                 # 5 rounds of 4 s a path; a minute or two
+    python -m bench.stream_usage --rounds 2 --seconds 2   # a smoke run
+
+Set-up, each part its own process: the fast fake vLLM (``harness.fake_vllm_fast``, on the tiny
+model's tokenizer), which writes
+vLLM 0.32's continuous usage stats into every event when asked, as vLLM does; two sidecars in
+front of it (``--log-level warning``), the default and ``--no-stream-usage``; load from
+``bench.sse_client --no-usage`` (completions streamed with no ``stream_options``, ``--events``
+tokens each, ``--concurrency`` connections, unpaced). The rounds alternate which sidecar goes
+first. Per round and path: events relayed per second, and the sidecar's CPU per 1,000 events
+(from /proc); the ratios are taken within each round, and the figures are their medians.
+Writes ``bench/results/stream-usage.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.bench_util import ProcStat
+from harness.fake_vllm_fast import FakeVllmProcess
+from harness.local import ROOT
+from harness.vllm_cpu import ensure_tokenizer_model
+from harness.workload import SidecarProcess
+
+RESULTS = ROOT / "bench" / "results" / "stream-usage.json"
+
+
+def _stream(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable, "-m", "bench.sse_client", url,
+        "--concurrency", str(args.concurrency),
+        "--events", str(args.events),
+        "--duration", str(args.seconds),
+        "--no-usage",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def _measure(sidecar: SidecarProcess, args: argparse.Namespace) -> dict[str, float]:
+    assert sidecar.proc is not None
+    stat = ProcStat(sidecar.proc.pid)
+    cpu0 = stat.cpu_seconds()
+    result = _stream(sidecar.url, args)
+    cpu = stat.cpu_seconds() - cpu0
+    events = float(result["events"])
+    if result["errors"]:
+        raise RuntimeError(f"stream errors through {sidecar.url}: {result['last_error']}")
+    return {
+        "events_per_second": float(result["events_per_second"]),
+        "events": events,
+        "cpu_seconds": cpu,
+        "cpu_ms_per_1000_events": 1e6 * cpu / events if events else float("nan"),
+    }
+
+
+def run(args: argparse.Namespace, model_root: Path) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        upstream = FakeVllmProcess(model_root).start()
+        stack.callback(upstream.stop)
+        paths = {
+            "stream-usage": SidecarProcess(upstream.url, "--log-level", "warning"),
+            "no-stream-usage": SidecarProcess(
+                upstream.url, "--log-level", "warning", "--no-stream-usage"
+            ),
+        }
+        for sidecar in paths.values():
+            stack.enter_context(sidecar)
+        for sidecar in paths.values():  # warm: connections, the tokenizer, the JIT of the path
+            _stream(sidecar.url, argparse.Namespace(**{**vars(args), "seconds": 1.0}))
+        rounds: list[dict[str, dict[str, float]]] = []
+        names = list(paths)
+        for r in range(args.rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            rounds.append({name: _measure(paths[name], args) for name in order})
+            print(json.dumps({"round": r, **rounds[-1]}), flush=True)
+    speed = [r["stream-usage"]["events_per_second"] / r["no-stream-usage"]["events_per_second"]
+             for r in rounds]  # fmt: skip
+    cost = [
+        r["stream-usage"]["cpu_ms_per_1000_events"] / r["no-stream-usage"]["cpu_ms_per_1000_events"]
+        for r in rounds
+    ]
+    return {
+        "command": "python -m bench.stream_usage " + " ".join(args.argv),
+        "settings": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "argv"
+        },
+        "rounds": rounds,
+        "events_per_second_ratio_by_round": speed,
+        "cpu_per_event_ratio_by_round": cost,
+        "median_events_per_second_ratio": statistics.median(speed),
+        "median_cpu_per_event_ratio": statistics.median(cost),
+        "median_events_per_second": {
+            n: statistics.median(r[n]["events_per_second"] for r in rounds) for n in names
+        },
+        "median_cpu_ms_per_1000_events": {
+            n: statistics.median(r[n]["cpu_ms_per_1000_events"] for r in rounds) for n in names
+        },
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.stream_usage", description=(__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--events", type=int, default=200, help="tokens (events) a stream")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    results = run(args, ensure_tokenizer_model())
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in results.items() if k.startswith("median")}))
+
+
+if __name__ == "__main__":
+    main()
