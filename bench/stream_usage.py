@@ -14,6 +14,11 @@ tokens each, ``--concurrency`` connections, unpaced). The rounds alternate which
 first. Per round and path: events relayed per second, and the sidecar's CPU per 1,000 events
 (from /proc); the ratios are taken within each round, and the figures are their medians.
 Writes ``bench/results/stream-usage.json``.
+
+    python -m bench.stream_usage --vllm          # the real vLLM CPU build: a few minutes
+
+With ``--vllm``, what asking costs vLLM itself: streams sent to it directly, unasked and asked
+for the usage on every event, in turns (:func:`run_vllm`); ``bench/results/stream-usage-vllm.json``.
 """
 
 from __future__ import annotations
@@ -112,6 +117,62 @@ def run(args: argparse.Namespace, model_root: Path) -> dict[str, Any]:
     }
 
 
+#: ``--vllm``: what the usage on every event costs vLLM's own API server
+VLLM_RESULTS = ROOT / "bench" / "results" / "stream-usage-vllm.json"
+ASKED = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def run_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    """The real vLLM CPU build, streams sent to it directly: bursts of ``--vllm-streams``
+    completions of ``--vllm-tokens`` tokens (``ignore_eos``), unasked and asked for the usage
+    on every event in turns; per burst, the API server's CPU (the process group's leader, which
+    writes the events) per 1,000 events, and the burst's wall time."""
+    import asyncio
+
+    from harness.vllm_cpu import VllmServer
+    from harness.workload import burst, make_prompts
+
+    server = VllmServer().start()
+    try:
+        assert server.proc is not None and server.model_dir is not None
+        api = ProcStat(server.proc.pid)
+        prompts = make_prompts(server.model_dir, args.vllm_streams, 64, seed=5)
+        names = ["unasked", "asked"]
+        rounds: list[dict[str, dict[str, float]]] = []
+        for extra in (None, {"stream_options": ASKED}):  # warm both ways
+            asyncio.run(burst(server.url, prompts, max_tokens=64, extra=extra))
+        for r in range(args.rounds):
+            row = {}
+            for name in names if r % 2 == 0 else names[::-1]:
+                extra = {"stream_options": ASKED} if name == "asked" else None
+                cpu0, t0 = api.cpu_seconds(), time.perf_counter()
+                results = asyncio.run(
+                    burst(server.url, prompts, max_tokens=args.vllm_tokens, extra=extra)
+                )
+                wall, cpu = time.perf_counter() - t0, api.cpu_seconds() - cpu0
+                tokens = sum(res.completion_tokens for res in results)
+                assert tokens == args.vllm_streams * args.vllm_tokens, tokens
+                row[name] = {"api_cpu_ms_per_1000_events": 1e6 * cpu / tokens, "wall_s": wall}
+            rounds.append(row)
+            print(json.dumps({"round": r, **row}), flush=True)
+    finally:
+        server.stop()
+    cpu_ratio = [
+        r["asked"]["api_cpu_ms_per_1000_events"] / r["unasked"]["api_cpu_ms_per_1000_events"]
+        for r in rounds
+    ]
+    wall_ratio = [r["asked"]["wall_s"] / r["unasked"]["wall_s"] for r in rounds]
+    return {
+        "command": "python -m bench.stream_usage " + " ".join(args.argv),
+        "rounds": rounds,
+        "api_cpu_per_event_ratio_by_round": cpu_ratio,
+        "wall_ratio_by_round": wall_ratio,
+        "median_api_cpu_per_event_ratio": statistics.median(cpu_ratio),
+        "median_wall_ratio": statistics.median(wall_ratio),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.stream_usage", description=(__doc__ or "").split("\n\n")[0]
@@ -120,11 +181,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--events", type=int, default=200, help="tokens (events) a stream")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="instead: what the usage on every event costs the real vLLM's API server",
+    )
+    parser.add_argument("--vllm-streams", type=int, default=16)
+    parser.add_argument("--vllm-tokens", type=int, default=800)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    results = run(args, ensure_tokenizer_model())
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if args.vllm:
+        results = run_vllm(args)
+    else:
+        results = run(args, ensure_tokenizer_model())
+    out = args.out or (VLLM_RESULTS if args.vllm else RESULTS)
+    out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k.startswith("median")}))
 
 
