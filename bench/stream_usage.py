@@ -1,6 +1,7 @@
-"""What ``--stream-usage`` (on by default) costs the relay: streams whose client asked for no
-usage, through a sidecar that asks vLLM for the usage on every event and strips it, against one
-run with ``--no-stream-usage``, on the same fake vLLM in the same rounds.
+"""What ``--stream-usage`` costs the relay: streams whose client asked for no usage, through a
+sidecar that asks vLLM for the usage on every event (``every-event``) and one that asks for the
+final count (``final``), each reading and stripping what it asked for, against one that asks for
+nothing (``off``), on the same fake vLLM in the same rounds.
 
     python -m bench.stream_usage                 # 5 rounds of 4 s a path; a minute or two
     python -m bench.stream_usage --rounds 2 --seconds 2   # a smoke run
@@ -8,9 +9,9 @@ run with ``--no-stream-usage``, on the same fake vLLM in the same rounds.
 Set-up, each part its own process: the fast fake vLLM (``harness.fake_vllm_fast``, on the tiny
 model's tokenizer), which writes
 vLLM 0.32's continuous usage stats into every event when asked, as vLLM does; two sidecars in
-front of it (``--log-level warning``), the default and ``--no-stream-usage``; load from
+front of it (``--log-level warning``), one per ``--stream-usage`` mode; load from
 ``bench.sse_client --no-usage`` (completions streamed with no ``stream_options``, ``--events``
-tokens each, ``--concurrency`` connections, unpaced). The rounds alternate which sidecar goes
+tokens each, ``--concurrency`` connections, unpaced). The rounds rotate which sidecar goes
 first. Per round and path: events relayed per second, and the sidecar's CPU per 1,000 events
 (from /proc); the ratios are taken within each round, and the figures are their medians.
 Writes ``bench/results/stream-usage.json``.
@@ -40,6 +41,8 @@ from harness.vllm_cpu import ensure_tokenizer_model
 from harness.workload import SidecarProcess
 
 RESULTS = ROOT / "bench" / "results" / "stream-usage.json"
+#: the sidecars compared, ``--stream-usage`` of each; the ratios are to the last
+MODES = ["every-event", "final", "off"]
 
 
 def _stream(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -76,10 +79,8 @@ def run(args: argparse.Namespace, model_root: Path) -> dict[str, Any]:
         upstream = FakeVllmProcess(model_root).start()
         stack.callback(upstream.stop)
         paths = {
-            "stream-usage": SidecarProcess(upstream.url, "--log-level", "warning"),
-            "no-stream-usage": SidecarProcess(
-                upstream.url, "--log-level", "warning", "--no-stream-usage"
-            ),
+            mode: SidecarProcess(upstream.url, "--log-level", "warning", "--stream-usage", mode)
+            for mode in MODES
         }
         for sidecar in paths.values():
             stack.enter_context(sidecar)
@@ -88,25 +89,27 @@ def run(args: argparse.Namespace, model_root: Path) -> dict[str, Any]:
         rounds: list[dict[str, dict[str, float]]] = []
         names = list(paths)
         for r in range(args.rounds):
-            order = names if r % 2 == 0 else names[::-1]
+            order = names[r % len(names) :] + names[: r % len(names)]
             rounds.append({name: _measure(paths[name], args) for name in order})
             print(json.dumps({"round": r, **rounds[-1]}), flush=True)
-    speed = [r["stream-usage"]["events_per_second"] / r["no-stream-usage"]["events_per_second"]
-             for r in rounds]  # fmt: skip
-    cost = [
-        r["stream-usage"]["cpu_ms_per_1000_events"] / r["no-stream-usage"]["cpu_ms_per_1000_events"]
-        for r in rounds
-    ]
+    speed = {m: [r[m]["events_per_second"] / r["off"]["events_per_second"] for r in rounds]
+             for m in MODES[:-1]}  # fmt: skip
+    cost = {
+        m: [r[m]["cpu_ms_per_1000_events"] / r["off"]["cpu_ms_per_1000_events"] for r in rounds]
+        for m in MODES[:-1]
+    }
     return {
         "command": "python -m bench.stream_usage " + " ".join(args.argv),
         "settings": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "argv"
         },
         "rounds": rounds,
-        "events_per_second_ratio_by_round": speed,
-        "cpu_per_event_ratio_by_round": cost,
-        "median_events_per_second_ratio": statistics.median(speed),
-        "median_cpu_per_event_ratio": statistics.median(cost),
+        "events_per_second_ratio_to_off_by_round": speed,
+        "cpu_per_event_ratio_to_off_by_round": cost,
+        "median_events_per_second_ratio_to_off": {
+            m: statistics.median(v) for m, v in speed.items()
+        },
+        "median_cpu_per_event_ratio_to_off": {m: statistics.median(v) for m, v in cost.items()},
         "median_events_per_second": {
             n: statistics.median(r[n]["events_per_second"] for r in rounds) for n in names
         },

@@ -147,6 +147,15 @@ class LogFormat(_Choice):
     json = "json"  # one JSON object per line
 
 
+class StreamUsage(_Choice):
+    """What the sidecar asks vLLM for on a stream whose client sent no stream_options."""
+
+    auto = "auto"  # every-event in worst-case mode, else final
+    every_event = "every-event"  # the usage on every event: progress exact, per-event cost
+    final = "final"  # the usage-only event at the end: the answer's length exact
+    off = "off"  # nothing: counted one event a token
+
+
 class AccessLog(_Choice):
     """Which requests get an access log line."""
 
@@ -275,12 +284,15 @@ class Settings(BaseSettings):
     priority orders (and preempts) as the sidecar's queue does. vLLM's API docs say another
     vLLM refuses a priority other than 0; vLLM 0.32's code does not check it (its FCFS queue
     ignores the field). A priority the body carries is always forwarded as sent."""
-    stream_usage: bool = True
-    """Ask vLLM for its usage count on every event of a streamed completion or chat answer of one
-    sequence whose client sent no stream_options, and take it back out of what the client
-    receives: vLLM merges a stream's tokens into one event when its reader falls behind, and the
-    count keeps the sidecar's view of the stream exact. Turn it off against a vLLM started with
-    --enable-force-include-usage, whose clients expect the usage on every stream."""
+    stream_usage: StreamUsage = StreamUsage.auto
+    """For a streamed completion or chat of one sequence whose client sent no stream_options,
+    ask vLLM for its usage count and take it back out of what the client receives: every-event
+    (continuous_usage_stats: progress exact even where vLLM merges a lagging stream's tokens into
+    one event or batches them by stream_interval; it costs vLLM's API server and the relay CPU
+    on every event), final (the usage-only event at the end: each answer's length exact, at one
+    event a stream), or off. auto: every-event in worst-case mode, whose promise rests on exact
+    progress, else final. Set off in front of a vLLM started with --enable-force-include-usage,
+    whose clients expect the usage on every stream."""
     max_concurrent_counts: int | None = Field(default=None, gt=0)
     """Long prompts (over 2,000 characters) tokenized at once, each on a worker thread (default:
     the CPUs the sidecar may use, less one left to the event loop; from 1 to 4)."""

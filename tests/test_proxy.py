@@ -319,24 +319,40 @@ def _without_ids(answer: bytes) -> bytes:
     return re.sub(rb'"id":"[^"]*"', b'"id":""', answer)
 
 
+ASKED = {
+    "every-event": {"include_usage": True, "continuous_usage_stats": True},
+    "final": {"include_usage": True},
+}
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("mode", "reservation"),
+    [("auto", "adaptive"), ("auto", "worst-case"), ("every-event", "adaptive"), ("final", None)],
+)
 async def test_a_stream_that_asked_no_usage_is_counted_by_vllms_count_and_relayed_as_asked(
-    stack: Stack, path: str
+    upstream: FakeServer, path: str, mode: str, reservation: str | None
 ) -> None:
-    """``--stream-usage`` (the default): the sidecar asks vLLM for the usage on every event of
-    a stream whose client asked for none, and the client gets what it asked for."""
-    body = (chat if path.endswith("chat/completions") else completion)(stream=True)
-    raw = json.dumps(body).encode()
-    direct = await stack.direct.post(path, content=raw)
-    proxied = await stack.client.post(path, content=raw)
-    assert proxied.status_code == direct.status_code == 200
-    assert b'"usage"' not in direct.content and b"system_fingerprint" in direct.content
-    assert _without_ids(proxied.content) == _without_ids(direct.content)
-    sent = stack.fake.requests_to(path)[-1].json()
-    assert sent.pop("stream_options") == {"include_usage": True, "continuous_usage_stats": True}
-    assert sent == body
-    await eventually(stack.ledger_empty, "the reservation was released")
-    assert stack.sample("kv_sidecar_completion_tokens_total") == 16
+    """``--stream-usage``: the sidecar asks vLLM for the usage of a stream whose client asked
+    for none (every event's in worst-case mode, the final count in the others, by default), and
+    the client gets what it asked for."""
+    settings: dict[str, Any] = {"stream_usage": mode}
+    if reservation is not None:
+        settings["reservation"] = reservation
+    asked = "every-event" if mode == "every-event" or reservation == "worst-case" else "final"
+    async with run_sidecar(upstream, **settings) as stack:
+        body = (chat if path.endswith("chat/completions") else completion)(stream=True)
+        raw = json.dumps(body).encode()
+        direct = await stack.direct.post(path, content=raw)
+        proxied = await stack.client.post(path, content=raw)
+        assert proxied.status_code == direct.status_code == 200
+        assert b'"usage"' not in direct.content and b"system_fingerprint" in direct.content
+        assert _without_ids(proxied.content) == _without_ids(direct.content)
+        sent = stack.fake.requests_to(path)[-1].json()
+        assert sent.pop("stream_options") == ASKED[asked]
+        assert sent == body
+        await eventually(stack.ledger_empty, "the reservation was released")
+        assert stack.sample("kv_sidecar_completion_tokens_total") == 16
 
 
 @pytest.mark.parametrize(
@@ -355,7 +371,7 @@ async def test_a_stream_of_several_choices_or_with_its_own_options_goes_as_sent(
 
 
 async def test_without_stream_usage_a_stream_goes_as_sent(upstream: FakeServer) -> None:
-    async with run_sidecar(upstream, stream_usage=False) as stack:
+    async with run_sidecar(upstream, stream_usage="off") as stack:
         raw = json.dumps(completion(stream=True)).encode()
         direct = await stack.direct.post("/v1/completions", content=raw)
         proxied = await stack.client.post("/v1/completions", content=raw)

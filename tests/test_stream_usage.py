@@ -22,25 +22,35 @@ from harness.vllm_formats import (
     stream_usage,
     token_usage,
 )
-from sidecar.http.stream_usage import UsageStripper, ask_usage, strip_usage, wants_usage
+from sidecar.config import ReservationMode, StreamUsage
+from sidecar.http.stream_usage import (
+    EVERY_EVENT,
+    FINAL,
+    UsageStripper,
+    ask_usage,
+    stream_usage_asked,
+    strip_usage,
+    wants_usage,
+)
 from sidecar.http.usage import UsageTracker
 
 PROMPT = 12
 
 
-def stream(chat: bool, tokens: int, *, asked: bool, n: int = 1) -> bytes:
-    """A vLLM stream of ``tokens`` tokens a choice: as sent unasked, or asked for the usage on
-    every event (``include_usage`` and ``continuous_usage_stats``)."""
+def stream(chat: bool, tokens: int, *, asked: bool, n: int = 1, every: bool = True) -> bytes:
+    """A vLLM stream of ``tokens`` tokens a choice: as sent unasked, or asked for the usage
+    (``include_usage``), on every event too where ``every`` (``continuous_usage_stats``)."""
     head = stream_head(chat, "cmpl-1", "tiny")
     out = b""
+    counts = asked and every
     if chat:
         for i in range(n):
             out += sse_event(
-                stream_opening(head, i, token_usage(True, PROMPT, 0) if asked else None)
+                stream_opening(head, i, token_usage(True, PROMPT, 0) if counts else None)
             )
     for step in range(tokens):
         last = step == tokens - 1
-        usage = token_usage(chat, PROMPT, step + 1) if asked else None
+        usage = token_usage(chat, PROMPT, step + 1) if counts else None
         for i in range(n):
             event = stream_token(
                 head, chat, i, f" w{step}", last=last, usage=usage, fingerprint=last and not asked
@@ -70,12 +80,16 @@ def relayed(asked: bytes, cuts: list[int]) -> bytes:
     return out + stripper.flush() + held
 
 
+@pytest.mark.parametrize("every", [True, False], ids=["every-event", "final"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("tokens", [1, 2, 5])
-def test_stripped_the_stream_is_the_one_the_client_asked_for(chat: bool, tokens: int) -> None:
-    asked = stream(chat, tokens, asked=True)
+def test_stripped_the_stream_is_the_one_the_client_asked_for(
+    chat: bool, tokens: int, every: bool
+) -> None:
+    asked = stream(chat, tokens, asked=True, every=every)
     unasked = stream(chat, tokens, asked=False)
     assert b'"usage":' in asked and b'"usage":' not in unasked
+    assert b"system_fingerprint" not in asked.split(b"\n\n")[-4]  # moved to the usage event
     assert b'"system_fingerprint"' in unasked.split(b"\n\n")[-3]  # on the last token's event
     assert strip_usage(asked) == unasked
     # however the reads fall: every single cut, and every event on its own
@@ -133,14 +147,40 @@ def test_nested_and_null_usage_members_are_taken_out_wherever_they_stand() -> No
     )
 
 
-def test_the_ask_is_spliced_into_the_body_and_nothing_else_changes() -> None:
+@pytest.mark.parametrize(
+    ("ask", "options"),
+    [
+        (EVERY_EVENT, {"include_usage": True, "continuous_usage_stats": True}),
+        (FINAL, {"include_usage": True}),
+    ],
+)
+def test_the_ask_is_spliced_into_the_body_and_nothing_else_changes(
+    ask: bytes, options: dict[str, bool]
+) -> None:
     raw = b' \n{"model": "m", "prompt": "hi", "stream": true, "max_tokens": 5}'
-    spliced = ask_usage(raw)
+    spliced = ask_usage(raw, ask)
     assert spliced is not None
     body = json.loads(spliced)
-    assert body.pop("stream_options") == {"include_usage": True, "continuous_usage_stats": True}
+    assert body.pop("stream_options") == options
     assert body == json.loads(raw)
-    assert ask_usage(b'["not", "an", "object"]') is None
+    assert ask_usage(b'["not", "an", "object"]', ask) is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "reservation", "ask"),
+    [
+        ("auto", "worst-case", EVERY_EVENT),  # its promise rests on exact progress
+        ("auto", "adaptive", FINAL),
+        ("auto", "expected", FINAL),
+        ("every-event", "adaptive", EVERY_EVENT),
+        ("final", "worst-case", FINAL),
+        ("off", "worst-case", None),
+    ],
+)
+def test_auto_asks_for_every_event_in_worst_case_mode_only(
+    mode: str, reservation: str, ask: bytes | None
+) -> None:
+    assert stream_usage_asked(StreamUsage(mode), ReservationMode(reservation)) == ask
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
-"""``--stream-usage`` (the default) in front of the real vLLM: a stream whose client asked for no
-usage is asked for vLLM's count on every event, counted by it, and reaches its client as vLLM
-sends it unasked (ids and timestamps aside: vLLM draws them per request); and the vLLM 0.32
-stream formats the fake and tests/test_stream_usage.py build on are the real server's.
+"""``--stream-usage`` in front of the real vLLM: a stream whose client asked for no usage is
+asked for vLLM's count (on every event, or the final count), counted by it, and reaches its
+client as vLLM sends it unasked (ids and timestamps aside: vLLM draws them per request); and
+the vLLM 0.32 stream formats the fake and tests/test_stream_usage.py build on are the real
+server's.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ pytestmark = pytest.mark.vllm
 TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def sidecar(vllm: VllmInfo) -> Iterator[SidecarProcess]:
-    with SidecarProcess(vllm.url) as sc:
+@pytest.fixture(scope="module", params=["every-event", "final"])
+def sidecar(vllm: VllmInfo, request: pytest.FixtureRequest) -> Iterator[SidecarProcess]:
+    """A sidecar asking vLLM for the usage on every event (worst-case mode's default), or for
+    the final count only (the other modes')."""
+    with SidecarProcess(vllm.url, "--stream-usage", request.param) as sc:
         yield sc
 
 

@@ -105,7 +105,7 @@ class GenerationPath:
         priority_rules: Sequence[PriorityRule] = (),
         forward_priority: bool = False,
         spill_status: int = 429,
-        stream_usage: bool = True,
+        stream_usage: bytes | None = None,
     ) -> None:
         self.gate = gate
         self.engine = engine
@@ -117,7 +117,7 @@ class GenerationPath:
         self.priority_rules = tuple(priority_rules)  # --priority-rules
         self.forward_priority = forward_priority  # --forward-priority
         self.spill_status = spill_status  # --spill-status: a spilled refusal's status
-        self.stream_usage = stream_usage  # --stream-usage: vLLM's count on every event
+        self.stream_usage = stream_usage  # --stream-usage: what is asked of vLLM (None: nothing)
 
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, raw_path: bytes, endpoint: str
@@ -335,8 +335,9 @@ class GenerationPath:
         # vLLM's count on every event of a stream whose client asked for none, taken back out
         # of what the client receives (sidecar.http.stream_usage)
         asked = None
-        if self.stream_usage and wants_usage(record.endpoint, request.body, projection.sequences):
-            asked = ask_usage(raw)
+        ask = self.stream_usage
+        if ask is not None and wants_usage(record.endpoint, request.body, projection.sequences):
+            asked = ask_usage(raw, ask)
         if asked is not None:
             raw = asked
         if trace is not None:

@@ -15,6 +15,7 @@ from sidecar.http.generation import GenerationPath
 from sidecar.http.proxy import Proxy
 from sidecar.http.relay import Relay
 from sidecar.http.seams import Engine, Gate, MetricsSink, Traffic, Upstream
+from sidecar.http.stream_usage import stream_usage_asked
 
 if TYPE_CHECKING:
     from sidecar.observability.tracing import Tracing
@@ -45,7 +46,7 @@ def build_proxy(
             priority_rules=parse_priority_rules(settings.priority_rules),
             forward_priority=settings.forward_priority,
             spill_status=settings.spill_status,
-            stream_usage=settings.stream_usage,
+            stream_usage=stream_usage_asked(settings.stream_usage, settings.reservation),
         ),
         traffic=traffic,
         metrics=metrics,

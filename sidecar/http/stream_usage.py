@@ -1,5 +1,5 @@
-"""vLLM's usage count on every event of a stream whose client asked for none (``--stream-usage``,
-on by default), taken back out of what the client receives.
+"""vLLM's usage count for a stream whose client asked for none (``--stream-usage``), taken back
+out of what the client receives.
 
 A stream is counted one event a token unless its events carry vLLM's count
 (``sidecar.http.usage``), and vLLM merges a stream's tokens into one event when its reader
@@ -10,19 +10,22 @@ for no usage: the OpenAI SDKs and frameworks leave ``stream_options`` out.
 
 So for a streamed ``/v1/completions`` or ``/v1/chat/completions`` request of one sequence whose
 body has no ``stream_options``, the sidecar sends vLLM ``"stream_options": {"include_usage":
-true, "continuous_usage_stats": true}`` (:func:`ask_usage`); vLLM then writes ``"usage": {...}``
-into every event and sends one last event of ``"choices": []`` with the totals before
-``[DONE]``. :func:`strip_usage` takes both out again, so that the client receives the bytes
-vLLM would have sent it: each ``usage`` member removed with its comma, the usage-only event
-dropped. (vLLM's JSON is compact, and its ``usage`` object nests one level at most:
-``prompt_tokens_details``.) A ``"usage":`` with its quotes bare can only be a key: inside a JSON
-string a quote is escaped.
+true}`` (:data:`FINAL`: one last event of ``"choices": []`` with the totals before ``[DONE]``),
+with ``"continuous_usage_stats": true`` too where it wants the count in flight
+(:data:`EVERY_EVENT`: ``"usage": {...}`` in every event as well), spliced in by
+:func:`ask_usage`. :class:`UsageStripper` takes it out again, so that the client receives the
+bytes vLLM would have sent it: each ``usage`` member removed with its comma, the usage-only event
+dropped, and the ``system_fingerprint`` that vLLM, asked for the usage, moves from the last
+token's event onto the usage-only event put back. (vLLM's JSON is compact, and its ``usage``
+object nests one level at most: ``prompt_tokens_details``.) A ``"usage":`` with its quotes bare
+can only be a key: inside a JSON string a quote is escaped. :func:`stream_usage_asked` says
+which ask ``--stream-usage`` makes.
 
 Left as they are: a body that has ``stream_options`` (the client's own choice, whatever it
 is), n > 1 (a chunk's usage then counts one choice), the Responses and Anthropic endpoints
 (vLLM's Anthropic path asks for continuous usage itself). Against a vLLM started with
 ``--enable-force-include-usage`` every client gets the usage anyway: run the sidecar with
-``--no-stream-usage`` there, or its clients lose it.
+``--stream-usage off`` there, or its clients lose it.
 
 >>> ask_usage(b'{"stream": true, "prompt": "hi"}')[:71]
 b'{"stream_options":{"include_usage":true,"continuous_usage_stats":true},'
@@ -37,8 +40,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-#: what the sidecar asks vLLM for, spliced in as the body's first member
-_ASK = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true},'
+from sidecar.config import ReservationMode, StreamUsage
+
+#: what the sidecar asks vLLM for, spliced in as the body's first member: the usage on every
+#: event, or in one usage-only event at the end
+EVERY_EVENT = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true},'
+FINAL = b'"stream_options":{"include_usage":true},'
 #: the endpoints whose streams vLLM counts on every event when asked
 _ENDPOINTS = frozenset({"completions", "chat"})
 #: a ``usage`` member's key, and its value: an object that nests one level at most
@@ -61,13 +68,23 @@ def wants_usage(endpoint: str, body: dict[str, Any], sequences: int) -> bool:
     )
 
 
-def ask_usage(raw: bytes) -> bytes | None:
-    """``raw``, a JSON object's bytes, with the ask spliced in as its first member (None when
+def stream_usage_asked(mode: StreamUsage, reservation: ReservationMode) -> bytes | None:
+    """What ``--stream-usage`` asks vLLM for (None: nothing): ``auto`` asks for the usage on
+    every event in worst-case mode, whose promise rests on exact progress, and for the final
+    count in the others, which lay out learned ends and need each answer's length."""
+    if mode is StreamUsage.auto:
+        every = reservation is ReservationMode.worst_case
+        mode = StreamUsage.every_event if every else StreamUsage.final
+    return {StreamUsage.every_event: EVERY_EVENT, StreamUsage.final: FINAL}.get(mode)
+
+
+def ask_usage(raw: bytes, ask: bytes = EVERY_EVENT) -> bytes | None:
+    """``raw``, a JSON object's bytes, with ``ask`` spliced in as its first member (None when
     it does not start as an object)."""
     start = len(raw) - len(raw.lstrip())
     if raw[start : start + 1] != b"{":
         return None
-    return raw[: start + 1] + _ASK + raw[start + 1 :]
+    return raw[: start + 1] + ask + raw[start + 1 :]
 
 
 def strip_usage(events: bytes) -> bytes:
@@ -93,11 +110,11 @@ class UsageStripper:
         self._held = b""  # the event that ended the choice, with its usage, until the next
 
     def __call__(self, events: bytes) -> bytes:
-        if not self._held:
+        if not self._held and b'"finish_reason":"' not in events:
             if b'"usage":' not in events:
-                return events
-            if b'"finish_reason":"' not in events:  # (the usage-only event comes after it)
-                return _without_usage(events)  # the common read: each event's one usage
+                return events  # asked for the final count: a read of tokens
+            if b'"choices":[]' not in events:
+                return _without_usage(events)  # asked for every event's: each event's usage
         *whole, rest = events.split(_SEP)
         out: list[bytes] = []
         for event in whole:
@@ -106,12 +123,12 @@ class UsageStripper:
                 out.append(self._release(event if usage_only else b""))
             if usage_only:
                 continue  # include_usage's last event: the totals alone
-            if b'"usage":' not in event:
-                out.append(event + _SEP)
-            elif b'"finish_reason":"' in event:
+            if b'"finish_reason":"' in event:
                 self._held = event
-            else:
+            elif b'"usage":' in event:
                 out.append(_without_usage(event) + _SEP)
+            else:
+                out.append(event + _SEP)
         return b"".join(out) + rest
 
     def flush(self) -> bytes:
@@ -123,7 +140,11 @@ class UsageStripper:
         found = _FINGERPRINT.search(usage_event)
         if found is None:
             return _without_usage(held) + _SEP
-        return _without_usage(held, found.group(0)) + _SEP
+        if _KEY in held:  # in the usage's place: vLLM writes the fingerprint right after it
+            return _without_usage(held, found.group(0)) + _SEP
+        if held.endswith(b"}"):  # asked for the final count: after the choices, at the end
+            return held[:-1] + b"," + found.group(0) + b"}" + _SEP
+        return held + _SEP
 
 
 def _without_usage(data: bytes, fingerprint: bytes = b"") -> bytes:
