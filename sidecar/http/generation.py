@@ -332,7 +332,7 @@ class GenerationPath:
             headers = [(k, v) for k, v in headers if k.lower() != DP_RANK_HEADER]
             headers.append((DP_RANK_HEADER, reservation.engine.encode()))
         url = self.relay.url(raw_path, scope["query_string"])
-        # vLLM's count on every event of a stream whose client asked for none, taken back out
+        # vLLM's usage count for a stream whose client asked for none (--stream-usage), taken out
         # of what the client receives (sidecar.http.stream_usage)
         asked = None
         ask = self.stream_usage

@@ -59,7 +59,7 @@ _SEP = b"\n\n"
 
 
 def wants_usage(endpoint: str, body: dict[str, Any], sequences: int) -> bool:
-    """Whether the sidecar asks vLLM for the usage on this request's every event."""
+    """Whether the sidecar asks vLLM for the usage of this request's stream (``--stream-usage``)."""
     return (
         endpoint in _ENDPOINTS
         and body.get("stream") is True
