@@ -291,8 +291,9 @@ class Settings(BaseSettings):
     one event or batches them by stream_interval; it costs vLLM's API server and the relay CPU
     on every event), final (the usage-only event at the end: each answer's length exact, at one
     event a stream), or off. auto: every-event in worst-case mode, whose promise rests on exact
-    progress, else final. Set off in front of a vLLM started with --enable-force-include-usage,
-    whose clients expect the usage on every stream."""
+    progress, else final. Under every-event, a client that asked for include_usage alone is
+    asked for every event's count too. Set off in front of a vLLM started with
+    --enable-force-include-usage, whose clients expect the usage on every stream."""
     max_concurrent_counts: int | None = Field(default=None, gt=0)
     """Long prompts (over 2,000 characters) tokenized at once, each on a worker thread (default:
     the CPUs the sidecar may use, less one left to the event loop; from 1 to 4)."""

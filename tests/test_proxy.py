@@ -281,8 +281,8 @@ async def test_generation_passes_through_byte_for_byte(
     stack: Stack, path: str, stream: bool
 ) -> None:
     body = chat() if path.endswith("chat/completions") else completion()
-    if stream:
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    if stream:  # every event's count asked for already: nothing for the sidecar to add
+        body |= {"stream": True, "stream_options": ASKED["every-event"]}
     raw = json.dumps(body).encode()
     headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-x"}
     direct = await stack.direct.post(path, content=raw, headers=headers)
@@ -351,6 +351,30 @@ async def test_a_stream_that_asked_no_usage_is_counted_by_vllms_count_and_relaye
         sent = stack.fake.requests_to(path)[-1].json()
         assert sent.pop("stream_options") == ASKED[asked]
         assert sent == body
+        await eventually(stack.ledger_empty, "the reservation was released")
+        assert stack.sample("kv_sidecar_completion_tokens_total") == 16
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_that_asked_for_the_final_count_is_asked_for_every_events_in_worst_case(
+    upstream: FakeServer, path: str
+) -> None:
+    """Worst-case mode (``auto``: ``every-event``): a client that asked for ``include_usage``
+    alone gets its stream as it asked, its usage-only event included, while the sidecar reads
+    vLLM's count on every event."""
+    async with run_sidecar(upstream, reservation="worst-case") as stack:
+        options = {"include_usage": True}
+        body = (chat if path.endswith("chat/completions") else completion)(
+            stream=True, stream_options=options
+        )
+        raw = json.dumps(body).encode()
+        direct = await stack.direct.post(path, content=raw)
+        proxied = await stack.client.post(path, content=raw)
+        assert proxied.status_code == direct.status_code == 200
+        assert _without_ids(proxied.content) == _without_ids(direct.content)
+        sent = stack.fake.requests_to(path)[-1].json()
+        assert sent.pop("stream_options") == ASKED["every-event"]
+        assert sent == {k: v for k, v in body.items() if k != "stream_options"}
         await eventually(stack.ledger_empty, "the reservation was released")
         assert stack.sample("kv_sidecar_completion_tokens_total") == 16
 
@@ -856,7 +880,9 @@ def test_process_serves_vllms_metrics_and_its_own(
 def test_process_streams_a_chat_byte_for_byte(
     sidecar_process: SidecarProcess, process_upstream: FakeServer
 ) -> None:
-    body = chat(stream=True, stream_options={"include_usage": True})
+    # every event's count asked for already: nothing for the sidecar to add (sidecar.http.
+    # stream_usage; what it adds is tested above)
+    body = chat(stream=True, stream_options=ASKED["every-event"])
     direct = httpx.post(process_upstream.url + "/v1/chat/completions", json=body)
     with httpx.stream("POST", sidecar_process.url + "/v1/chat/completions", json=body) as resp:
         proxied = b"".join(resp.iter_raw())

@@ -27,9 +27,11 @@ from sidecar.http.stream_usage import (
     EVERY_EVENT,
     FINAL,
     UsageStripper,
+    ask_every_event,
     ask_usage,
     stream_usage_asked,
     strip_usage,
+    wants_every_event,
     wants_usage,
 )
 from sidecar.http.usage import UsageTracker
@@ -97,6 +99,66 @@ def test_stripped_the_stream_is_the_one_the_client_asked_for(
         assert relayed(asked, [cut]) == unasked, cut
     ends = [i + 2 for i in range(len(asked)) if asked[i : i + 2] == b"\n\n"][:-1]
     assert relayed(asked, ends) == unasked
+
+
+def relayed_keeping_final(asked: bytes, cuts: list[int]) -> bytes:
+    stripper = UsageStripper(keep_final=True)
+    out, held = b"", b""
+    for a, b in zip([0, *cuts], [*cuts, len(asked)], strict=True):
+        data = held + asked[a:b]
+        cut = data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0
+        out += stripper(data[:cut]) if cut else b""
+        held = data[cut:]
+    return out + stripper.flush() + held
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_client_that_asked_for_the_final_count_gets_it_and_not_every_events(
+    chat: bool, tokens: int
+) -> None:
+    """Under ``every-event``, a client that asked for ``include_usage`` alone is asked for
+    every event's count too (:func:`ask_every_event`); its stream keeps the usage-only event,
+    fingerprint and all, and loses the count on the others."""
+    asked = stream(chat, tokens, asked=True, every=True)
+    own = stream(chat, tokens, asked=True, every=False)
+    for cut in range(1, len(asked)):
+        assert relayed_keeping_final(asked, [cut]) == own, cut
+
+
+def test_the_client_s_final_ask_is_extended_and_nothing_else_changes() -> None:
+    raw = json.dumps(
+        {"model": "m", "stream": True, "priority": 3, "stream_options": {"include_usage": True}}
+    ).encode()
+    body = json.loads(ask_every_event(raw))
+    assert body.pop("stream_options") == {"include_usage": True, "continuous_usage_stats": True}
+    assert body == {"model": "m", "stream": True, "priority": 3}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "sequences", "asks"),
+    [
+        ("chat", {"stream": True, "stream_options": {"include_usage": True}}, 1, True),
+        ("completions", {"stream": True, "stream_options": {"include_usage": True}}, 1, True),
+        ("chat", {"stream": True, "stream_options": {"include_usage": False}}, 1, False),
+        ("chat", {"stream": True, "stream_options": None}, 1, False),
+        (
+            "chat",
+            {
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            1,
+            False,  # it has every event's already
+        ),
+        ("chat", {"stream": True, "stream_options": {"include_usage": True}, "n": 2}, 2, False),
+        ("responses", {"stream": True, "stream_options": {"include_usage": True}}, 1, False),
+    ],
+)
+def test_which_final_asks_are_extended_to_every_event(
+    endpoint: str, body: dict[str, object], sequences: int, asks: bool
+) -> None:
+    assert wants_every_event(endpoint, body, sequences) is asks
 
 
 def test_the_tracker_reads_the_exact_count_before_the_strip() -> None:

@@ -101,6 +101,25 @@ def test_a_stream_that_asked_no_usage_reaches_its_client_as_vllm_sends_it(
     assert after == before + TOKENS
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_stream_that_asked_for_the_final_count_reaches_its_client_as_asked(
+    vllm: VllmInfo, sidecar: SidecarProcess, chat: bool
+) -> None:
+    """``include_usage`` alone (``vllm bench serve``'s ask): under ``every-event`` the sidecar
+    asks for every event's count too and takes it out of all but the usage-only event; under
+    ``final`` it sends the request as it came. Either way the client gets what vLLM sends it."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    options = {"include_usage": True}
+    before = metric_value(sidecar.metrics(), "kv_sidecar_completion_tokens_total") or 0.0
+    direct = _post(vllm.url, path, _body(vllm, chat, stream_options=options))
+    proxied = _post(sidecar.url, path, _body(vllm, chat, stream_options=options))
+    assert _drawn(proxied) == _drawn(direct)
+    assert b'"usage"' in _events(proxied)[-2] and b'"usage"' not in _events(proxied)[-3]
+    wait_for(lambda: sidecar.state()["in_flight"] == 0, "the stream released", 30)
+    after = metric_value(sidecar.metrics(), "kv_sidecar_completion_tokens_total")
+    assert after == before + TOKENS
+
+
 def test_the_openai_client_streams_through_it_at_its_defaults(
     vllm: VllmInfo, sidecar: SidecarProcess
 ) -> None:

@@ -53,7 +53,14 @@ from sidecar.http.headers import (
 )
 from sidecar.http.relay import ClientWatch, Relay, read_body, read_small, replay, respond
 from sidecar.http.seams import Engine, Gate, MetricsSink
-from sidecar.http.stream_usage import UsageStripper, ask_usage, wants_usage
+from sidecar.http.stream_usage import (
+    EVERY_EVENT,
+    UsageStripper,
+    ask_every_event,
+    ask_usage,
+    wants_every_event,
+    wants_usage,
+)
 from sidecar.http.types import Receive, Scope, Send
 from sidecar.http.usage import UsageTracker
 from sidecar.kv.ledger import Reservation
@@ -334,10 +341,13 @@ class GenerationPath:
         url = self.relay.url(raw_path, scope["query_string"])
         # vLLM's usage count for a stream whose client asked for none (--stream-usage), taken out
         # of what the client receives (sidecar.http.stream_usage)
-        asked = None
-        ask = self.stream_usage
-        if ask is not None and wants_usage(record.endpoint, request.body, projection.sequences):
+        asked, keep_final = None, False
+        ask, endpoint, sequences = self.stream_usage, record.endpoint, projection.sequences
+        if ask is not None and wants_usage(endpoint, request.body, sequences):
             asked = ask_usage(raw, ask)
+        elif ask == EVERY_EVENT and wants_every_event(endpoint, request.body, sequences):
+            asked = ask_every_event(raw)  # it asked for the final count: kept as it comes
+            keep_final = True
         if asked is not None:
             raw = asked
         if trace is not None:
@@ -390,7 +400,7 @@ class GenerationPath:
                 on_chunk,
                 request_id=record.id_header,
                 anthropic=record.endpoint == "messages",
-                transform=UsageStripper() if asked is not None else None,
+                transform=UsageStripper(keep_final=keep_final) if asked is not None else None,
             )
         except UpstreamError as exc:
             self.metrics.upstream_failed(exc.kind)

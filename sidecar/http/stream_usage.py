@@ -21,11 +21,14 @@ object nests one level at most: ``prompt_tokens_details``.) A ``"usage":`` with 
 can only be a key: inside a JSON string a quote is escaped. :func:`stream_usage_asked` says
 which ask ``--stream-usage`` makes.
 
-Left as they are: a body that has ``stream_options`` (the client's own choice, whatever it
-is), n > 1 (a chunk's usage then counts one choice), the Responses and Anthropic endpoints
-(vLLM's Anthropic path asks for continuous usage itself). Against a vLLM started with
-``--enable-force-include-usage`` every client gets the usage anyway: run the sidecar with
-``--stream-usage off`` there, or its clients lose it.
+A client that asked for ``include_usage`` alone (``vllm bench serve`` does) is asked for every
+event's count too where the sidecar wants it (:func:`wants_every_event`, :func:`ask_every_event`:
+its ``stream_options`` written anew), and its usage-only event, its own, passes as it is
+(``UsageStripper(keep_final=True)``). Left as they are: any other ``stream_options`` (the
+client's own choice), n > 1 (a chunk's usage then counts one choice), the Responses and
+Anthropic endpoints (vLLM's Anthropic path asks for continuous usage itself). Against a vLLM
+started with ``--enable-force-include-usage`` every client gets the usage anyway: run the
+sidecar with ``--stream-usage off`` there, or its clients lose it.
 
 >>> ask_usage(b'{"stream": true, "prompt": "hi"}')[:71]
 b'{"stream_options":{"include_usage":true,"continuous_usage_stats":true},'
@@ -37,6 +40,7 @@ b'data: [DONE]\\n\\n'
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -66,6 +70,32 @@ def wants_usage(endpoint: str, body: dict[str, Any], sequences: int) -> bool:
         and "stream_options" not in body
         and sequences == 1
     )
+
+
+def wants_every_event(endpoint: str, body: dict[str, Any], sequences: int) -> bool:
+    """Whether a stream whose client asked for the final usage count (``include_usage``) and
+    not for every event's is asked for every event's too (under ``every-event``)."""
+    options = body.get("stream_options")
+    return (
+        endpoint in _ENDPOINTS
+        and body.get("stream") is True
+        and sequences == 1
+        and isinstance(options, dict)
+        and options.get("include_usage") is True
+        and not options.get("continuous_usage_stats")
+    )
+
+
+def ask_every_event(raw: bytes) -> bytes | None:
+    """``raw``, the body as it is to be sent, with ``continuous_usage_stats`` added to its
+    ``stream_options`` (written anew: the client's own object is changed, not spliced into);
+    None, and the body sent as it came, where it does not read back as such an object."""
+    try:
+        body = json.loads(raw)
+        body["stream_options"] = {**body["stream_options"], "continuous_usage_stats": True}
+        return json.dumps(body).encode()
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def stream_usage_asked(mode: StreamUsage, reservation: ReservationMode) -> bytes | None:
@@ -104,12 +134,17 @@ class UsageStripper:
     chunks), as vLLM writes it unasked; :meth:`flush` gives what is held at the stream's end.
     """
 
-    __slots__ = ("_held",)
+    __slots__ = ("_held", "_keep_final")
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_final: bool = False) -> None:
         self._held = b""  # the event that ended the choice, with its usage, until the next
+        #: the client asked for the final count itself (:func:`ask_every_event`): its
+        #: usage-only event, which carries the fingerprint, is its own, and passes as it is
+        self._keep_final = keep_final
 
     def __call__(self, events: bytes) -> bytes:
+        if self._keep_final:
+            return self._every_event_only(events)
         if not self._held and b'"finish_reason":"' not in events:
             if b'"usage":' not in events:
                 return events  # asked for the final count: a read of tokens
@@ -130,6 +165,15 @@ class UsageStripper:
             else:
                 out.append(event + _SEP)
         return b"".join(out) + rest
+
+    def _every_event_only(self, events: bytes) -> bytes:
+        if b'"usage":' not in events:
+            return events
+        if b'"choices":[]' not in events:
+            return _without_usage(events)
+        *whole, rest = events.split(_SEP)
+        kept = [e + _SEP if b'"choices":[]' in e else _without_usage(e) + _SEP for e in whole]
+        return b"".join(kept) + rest
 
     def flush(self) -> bytes:
         """The event held at the stream's end (it ended without the usage-only event)."""
