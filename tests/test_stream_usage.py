@@ -68,10 +68,10 @@ def stream(chat: bool, tokens: int, *, asked: bool, n: int = 1, every: bool = Tr
     return out + SSE_DONE
 
 
-def relayed(asked: bytes, cuts: list[int]) -> bytes:
+def relayed(asked: bytes, cuts: list[int], *, keep_final: bool = False) -> bytes:
     """``asked`` cut into reads at ``cuts`` and then at whole events, as the relay does, through
     one stripper."""
-    stripper = UsageStripper()
+    stripper = UsageStripper(keep_final=keep_final)
     out = b""
     held = b""
     for a, b in zip([0, *cuts], [*cuts, len(asked)], strict=True):
@@ -101,17 +101,6 @@ def test_stripped_the_stream_is_the_one_the_client_asked_for(
     assert relayed(asked, ends) == unasked
 
 
-def relayed_keeping_final(asked: bytes, cuts: list[int]) -> bytes:
-    stripper = UsageStripper(keep_final=True)
-    out, held = b"", b""
-    for a, b in zip([0, *cuts], [*cuts, len(asked)], strict=True):
-        data = held + asked[a:b]
-        cut = data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0
-        out += stripper(data[:cut]) if cut else b""
-        held = data[cut:]
-    return out + stripper.flush() + held
-
-
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_a_client_that_asked_for_the_final_count_gets_it_and_not_every_events(
@@ -123,7 +112,7 @@ def test_a_client_that_asked_for_the_final_count_gets_it_and_not_every_events(
     asked = stream(chat, tokens, asked=True, every=True)
     own = stream(chat, tokens, asked=True, every=False)
     for cut in range(1, len(asked)):
-        assert relayed_keeping_final(asked, [cut]) == own, cut
+        assert relayed(asked, [cut], keep_final=True) == own, cut
 
 
 def test_the_client_s_final_ask_is_extended_and_nothing_else_changes() -> None:
