@@ -119,7 +119,9 @@ def test_the_client_s_final_ask_is_extended_and_nothing_else_changes() -> None:
     raw = json.dumps(
         {"model": "m", "stream": True, "priority": 3, "stream_options": {"include_usage": True}}
     ).encode()
-    body = json.loads(ask_every_event(raw))
+    extended = ask_every_event(raw)
+    assert extended is not None and ask_every_event(b"[1]") is None
+    body = json.loads(extended)
     assert body.pop("stream_options") == {"include_usage": True, "continuous_usage_stats": True}
     assert body == {"model": "m", "stream": True, "priority": 3}
 
