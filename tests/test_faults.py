@@ -618,6 +618,47 @@ async def _queue_and_leave(
     )
 
 
+#: the figures' prefix of each client that leaves while vLLM generates
+_LEFT = {"A": "mid_stream", "D": "non_streamed"}
+
+
+async def _released_and_ended(
+    engine: VllmWatch,
+    sc: SidecarProcess,
+    name: str,
+    before: dict[str, float],
+    t0: float,
+    out: dict[str, Any],
+) -> dict[str, float]:
+    """Inside ``frozen_engine``, ``name``'s client gone at ``t0``: the sidecar releases it and
+    vLLM's API server ends its request (its handler returns, having sent the engine the abort);
+    vLLM's counters then, the engine still stopped."""
+    key = _LEFT[name]
+    out[f"{key}_released_s"] = await sidecar_until(
+        engine.client, sc, f"{name} released", _empty, RELEASE_WITHIN, since=t0
+    )
+    out[f"{key}_vllm_ended_s"] = await engine.until(
+        f"ending {name}'s request",
+        lambda v: v["completions"] > before["completions"],
+        VLLM_STOP_WITHIN,
+        since=t0,
+    )
+    return await engine.steady()
+
+
+async def _run_on(
+    engine: VllmWatch, name: str, before: dict[str, float], left: dict[str, float], out: Any
+) -> dict[str, float]:
+    """The engine let run again after ``_released_and_ended``: what ``name`` had generated as
+    its client left, and vLLM's counters once it is idle."""
+    key = _LEFT[name]
+    out[f"{key}_generated_at_leave"] = left["generated"] - before["generated"]
+    out[f"{key}_vllm_running_0_s"] = await engine.until(
+        f"running 0 after {name}", lambda v: v["running"] == 0, VLLM_STOP_WITHIN
+    )
+    return await engine.settled()
+
+
 def _empty(s: dict[str, Any]) -> bool:
     return bool(s["in_flight"] == 0 and s["reserved_blocks"] == 0 and s["queue_depth"] == 0)
 
@@ -803,21 +844,8 @@ async def test_client_disconnects_abort_upstream_and_release_the_reservation(
                         _stop_engine(vllm)  # however the pulse ended: no step from here
                     t0 = time.monotonic()
                     assert a.events == 5
-                    out["mid_stream_released_s"] = await sidecar_until(
-                        client, sc, "A released", _empty, RELEASE_WITHIN, since=t0
-                    )
-                    out["mid_stream_vllm_ended_s"] = await engine.until(
-                        "ending A's request",
-                        lambda v, n=before_a["completions"]: v["completions"] > n,
-                        VLLM_STOP_WITHIN,
-                        since=t0,
-                    )
-                    left = await engine.steady()
-                out["mid_stream_generated_at_leave"] = left["generated"] - before_a["generated"]
-                out["mid_stream_vllm_running_0_s"] = await engine.until(
-                    "running 0 after A", lambda v: v["running"] == 0, VLLM_STOP_WITHIN
-                )
-                after_a = await engine.settled()
+                    left = await _released_and_ended(engine, sc, "A", before_a, t0, out)
+                after_a = await _run_on(engine, "A", before_a, left, out)
                 if out["mid_stream_generated_at_leave"] < max_tokens - MARGIN:
                     break
                 assert attempt < ATTEMPTS, f"A near its end as its client left {ATTEMPTS} times"
@@ -889,21 +917,8 @@ async def test_client_disconnects_abort_upstream_and_release_the_reservation(
                     task_d.cancel()
                     t0 = time.monotonic()
                     await asyncio.gather(task_d, return_exceptions=True)
-                    out["non_streamed_released_s"] = await sidecar_until(
-                        client, sc, "D released", _empty, RELEASE_WITHIN, since=t0
-                    )
-                    out["non_streamed_vllm_ended_s"] = await engine.until(
-                        "ending D's request",
-                        lambda v, n=before["completions"]: v["completions"] > n,
-                        VLLM_STOP_WITHIN,
-                        since=t0,
-                    )
-                    left = await engine.steady()
-                out["non_streamed_generated_at_leave"] = left["generated"] - before["generated"]
-                out["non_streamed_vllm_running_0_s"] = await engine.until(
-                    "running 0 after D", lambda v: v["running"] == 0, VLLM_STOP_WITHIN
-                )
-                after_d = await engine.settled()
+                    left = await _released_and_ended(engine, sc, "D", before, t0, out)
+                after_d = await _run_on(engine, "D", before, left, out)
                 if out["non_streamed_generated_at_leave"] < max_tokens - MARGIN:
                     break
                 assert attempt < ATTEMPTS, f"D near its end as its client left {ATTEMPTS} times"

@@ -127,31 +127,26 @@ def test_the_openai_client_streams_through_it_at_its_defaults(
     usage-only chunk arrives as vLLM sends it."""
     client = openai.OpenAI(base_url=sidecar.url + "/v1", api_key="unused")
     messages: Any = [{"role": "user", "content": "Count the birds in the garden."}]
-    extra = {"ignore_eos": True}
-    chunks = list(
-        client.chat.completions.create(
-            model=vllm.served_name,
-            messages=messages,
-            max_tokens=TOKENS,
-            stream=True,
-            extra_body=extra,
+
+    def chunks(**options: Any) -> list[Any]:
+        return list(
+            client.chat.completions.create(
+                model=vllm.served_name,
+                messages=messages,
+                max_tokens=TOKENS,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                **options,
+            )
         )
-    )
-    assert all(c.usage is None for c in chunks)
-    assert chunks[-1].choices[0].finish_reason == "length"
-    assert chunks[-1].system_fingerprint is not None
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    unasked = chunks()
+    assert all(c.usage is None for c in unasked)
+    assert unasked[-1].choices[0].finish_reason == "length"
+    assert unasked[-1].system_fingerprint is not None
+    text = "".join(c.choices[0].delta.content or "" for c in unasked if c.choices)
     assert text
-    asked = list(
-        client.chat.completions.create(
-            model=vllm.served_name,
-            messages=messages,
-            max_tokens=TOKENS,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra,
-        )
-    )
+    asked = chunks(stream_options={"include_usage": True})
     assert asked[-1].choices == [] and asked[-1].usage is not None
     assert asked[-1].usage.completion_tokens == TOKENS
     client.close()
