@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,11 +26,52 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("KV_SIDECAR_CACHE", Path.home() / ".cache" / "vllm-kv-sidecar"))
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now (the OS picks it)."""
+#: ports this process has handed out: never twice, though the first holder may not bind it yet
+_HANDED_OUT: set[int] = set()
+#: its own generator, so that a test seeding ``random`` cannot replay the ports it picks
+_PICK = random.Random()
+#: the lowest port picked below the ephemeral range
+_LOWEST = 10_000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (where ``bind(0)`` and every outgoing
+    connection's local port come from); Linux's default where it cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, and never handed out before by this process.
+
+    Picked at random below the ephemeral range: a port the OS picks (``bind(0)``) comes from
+    that range, and so does the local port of every outgoing connection the tests and their
+    servers open, so between this call and the server's bind such a port can be taken, and the
+    server (a sidecar's agent port, say) exits on it. Below the range, only another listener
+    can take it, and the probe bind sees those."""
+    low = _ephemeral_low()
+    if low - _LOWEST >= 1000:
+        for _ in range(200):
+            port = _PICK.randrange(_LOWEST, low)
+            if port not in _HANDED_OUT and _bindable(port):
+                _HANDED_OUT.add(port)
+                return port
+    with socket.socket() as s:  # a small or odd range: the OS picks, as before
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _HANDED_OUT.add(port)
+    return port
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:
