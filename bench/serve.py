@@ -62,7 +62,9 @@ from bench.simgpu.run import sidecar_args
 from bench.simgpu.workload import BLOCK_SIZE, ENGINES, MAX_MODEL_LEN, NULL_BLOCKS
 from harness.bench_util import (
     RESULTS,
+    ProcStat,
     fmt,
+    group_cpu_seconds,
     load_average,
     machine,
     machine_line,
@@ -76,6 +78,9 @@ from harness.vllm_cpu import VllmServer, ensure_model, vllm_python
 from harness.workload import SidecarProcess, vllm_preemptions
 
 CONFIGS = ("direct", "sidecar-adaptive", "sidecar-worst-case", "sidecar-expected")
+#: the CPU engine's configurations beyond the default four (``--configs``): the relay alone,
+#: the sidecar with ``--policy observe`` (admits everything, forwards and counts as the others)
+CPU_CONFIGS = (*CONFIGS, "sidecar-observe")
 SIM_CONFIGS = ("direct", "sidecar-adaptive", "sidecar-worst-case", "direct-watermark")
 #: vLLM's own headroom (``SchedulerConfig.watermark``: the share of the pool kept free when it
 #: admits a waiting or preempted request), on a second server, no sidecar
@@ -156,14 +161,21 @@ def run_client(url: str, tokenizer: Path, flags: list[str], out: Path) -> dict[s
 
 
 def measured_run(
-    vllm_url: str, sidecar_flags: list[str] | None, client: Callable[[str, Path], dict[str, Any]]
+    vllm_url: str,
+    sidecar_flags: list[str] | None,
+    client: Callable[[str, Path], dict[str, Any]],
+    vllm_pgid: int | None = None,
 ) -> dict[str, Any]:
     """The client's result for one configuration on an idle vLLM with an empty prefix cache,
     straight to vLLM (``sidecar_flags`` None) or through a fresh sidecar with those flags, and
-    ``preemptions``: vLLM's ``vllm:num_preemptions_total`` over the run."""
+    ``preemptions``: vLLM's ``vllm:num_preemptions_total`` over the run; with ``vllm_pgid``
+    (vLLM's process group), ``vllm_cpu_s`` and ``sidecar_cpu_s``: the CPU seconds vLLM's
+    processes and the sidecar's used over the client's whole call (its start included)."""
     wait_idle(vllm_url)
     reset_prefix_cache(vllm_url)
     before = vllm_preemptions(vllm_url)
+    vllm_cpu = group_cpu_seconds(vllm_pgid) if vllm_pgid is not None else 0.0
+    sidecar_cpu = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         if sidecar_flags is None:
@@ -171,7 +183,14 @@ def measured_run(
         else:
             with SidecarProcess(vllm_url, *sidecar_flags) as sidecar:
                 wait_tokenizer(sidecar)
+                assert sidecar.proc is not None
+                stat = ProcStat(sidecar.proc.pid)
+                sidecar_cpu = -stat.cpu_seconds()
                 result = client(sidecar.url, out)
+                sidecar_cpu += stat.cpu_seconds()
+    if vllm_pgid is not None:
+        result["vllm_cpu_s"] = round(group_cpu_seconds(vllm_pgid) - vllm_cpu, 2)
+        result["sidecar_cpu_s"] = round(sidecar_cpu, 2)
     result["preemptions"] = vllm_preemptions(vllm_url) - before
     result["errors"] = [e for e in result.get("errors", []) if e]
     return result
@@ -186,9 +205,18 @@ def one_config(
         *("--num-prompts", str(args.num_prompts)),
         *("--request-rate", "inf"),
     ]
-    sidecar = None if config == "direct" else queue_flags("queue", config.removeprefix("sidecar-"))
+    if config == "direct":
+        sidecar = None
+    elif config == "sidecar-observe":
+        sidecar = queue_flags("observe")
+    else:
+        sidecar = queue_flags("queue", config.removeprefix("sidecar-"))
+    assert server.proc is not None
     result = measured_run(
-        server.url, sidecar, lambda url, out: run_client(url, model_dir, flags, out)
+        server.url,
+        sidecar,
+        lambda url, out: run_client(url, model_dir, flags, out),
+        vllm_pgid=server.proc.pid,  # started in its own session
     )
     keep = {key: result.get(key) for key, _ in FIGURES}
     keep.update(
@@ -197,20 +225,45 @@ def one_config(
         duration=result.get("duration"),
         preemptions=result["preemptions"],
         errors=result["errors"],
+        vllm_cpu_s=result.get("vllm_cpu_s"),
+        sidecar_cpu_s=result.get("sidecar_cpu_s"),
     )
     return keep
 
 
+def _to_direct(rep: dict[str, Any], config: str) -> str:
+    """``config``'s output throughput over direct's in one repetition ("-": either missing)."""
+    mine, direct = (
+        rep[config].get("output_throughput"),
+        rep.get("direct", {}).get("output_throughput"),
+    )
+    return "-" if mine is None or not direct else f"{float(mine) / float(direct):.2f}"
+
+
 def report(raw: dict[str, Any]) -> str:
     reps = raw["reps"]
-    header = ["configuration", "preemptions", *(label for _, label in FIGURES)]
+    header = [
+        "configuration",
+        "preemptions",
+        "output tok/s / direct, by repetition",
+        *(label for _, label in FIGURES),
+        "vLLM CPU s",
+        "sidecar CPU s",
+    ]
     rows = []
-    for config in CONFIGS:
+    for config in CPU_CONFIGS:
         runs = [rep[config] for rep in reps if config in rep]
-        cells: list[Any] = [config, " / ".join(f"{r['preemptions']:.0f}" for r in runs)]
-        for key, _ in FIGURES:
+        if not runs:
+            continue
+        ratios = [_to_direct(rep, config) for rep in reps if config in rep]
+        cells: list[Any] = [
+            config,
+            " / ".join(f"{r['preemptions']:.0f}" for r in runs),
+            ", ".join(ratios),
+        ]
+        for key in [k for k, _ in FIGURES] + ["vllm_cpu_s", "sidecar_cpu_s"]:
             values = [float(r[key]) for r in runs if r.get(key) is not None]
-            cells.append(f"{median(values):.0f}" if values else "-")
+            cells.append(f"{median(values):.{1 if key.endswith('_s') else 0}f}" if values else "-")
         rows.append(cells)
     return table(header, rows)
 
@@ -268,11 +321,12 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--report-only", action="store_true", help="the tables again from the results file"
     )
-    sim.add_argument(
+    p.add_argument(
         "--configs",
-        default=",".join(SIM_CONFIGS),
-        help=f"of {', '.join(SIM_CONFIGS)} (direct-watermark: a second server, with vLLM's "
-        f"--watermark {WATERMARK:g})",
+        default=None,
+        help=f"cpu: of {', '.join(CPU_CONFIGS)} (default: {', '.join(CONFIGS)}); sim: of "
+        f"{', '.join(SIM_CONFIGS)} (default: all; direct-watermark: a second server, with "
+        f"vLLM's --watermark {WATERMARK:g})",
     )
     return p
 
@@ -286,6 +340,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.output_len = args.output_len or 600
     args.reps = args.reps or 2
     args.out = args.out or RESULTS / "serve.json"
+    configs = [c for c in (args.configs or ",".join(CONFIGS)).split(",") if c]
+    for c in configs:
+        if c not in CPU_CONFIGS:
+            raise SystemExit(f"--configs: {c!r} is not one of {', '.join(CPU_CONFIGS)}")
     model_dir = ensure_model()
     raw: dict[str, Any] = {
         "args": {k: v for k, v in vars(args).items() if k in CPU_ARGS} | {"out": str(args.out)},
@@ -296,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         warm_up_vllm(server.url)
         for k in range(args.reps):
             rep: dict[str, Any] = {}
-            for config in rotate(CONFIGS, k):
+            for config in rotate(configs, k):
                 progress(f"serve: rep {k + 1}/{args.reps} {config}")
                 rep[config] = one_config(config, server, model_dir, args)
             raw["reps"].append(rep)
@@ -415,7 +473,7 @@ def sim_main(args: argparse.Namespace) -> dict[str, Any]:
         saved: dict[str, Any] = json.loads(args.out.read_text())
         print(sim_report(saved))
         return saved
-    configs = [c for c in args.configs.split(",") if c]
+    configs = [c for c in (args.configs or ",".join(SIM_CONFIGS)).split(",") if c]
     workloads = [w for w in args.workloads.split(",") if w]
     for c in configs:
         if c not in SIM_CONFIGS:
