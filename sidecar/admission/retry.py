@@ -199,6 +199,11 @@ class RetryPlanner:
             self._book(own, now, seconds, key, mine)
         return seconds
 
+    def remembers(self, key: int | None) -> bool:
+        """Whether a request with fingerprint ``key`` was refused here and its booking is still
+        remembered: the request has come back (its client's retry)."""
+        return self._booking_of(key) is not None
+
     def _booking_of(self, key: int | None) -> _Booking | None:
         """The booking remembered for the request with fingerprint ``key``, if any."""
         if key is None:
