@@ -149,10 +149,14 @@ def test_cold_queues_and_an_unbounded_wait_is_refused() -> None:
     ac.pools[0].view.seconds_per_step = STEP  # as a scrape would teach it
     [unbounded] = ac.expected_waits(Ask(BIG, streamed=True))
     assert unbounded.steps is None and unbounded.seconds == float("inf")
-    refused = ac.try_admit(Ask(BIG, streamed=True))
+    refused = ac.try_admit(Ask(BIG, streamed=True, key=5))
     assert refused is not None and refused.reason is Reason.SPILLED
     assert "cannot be bounded" in refused.message
     assert refused.retry_after is not None and refused.retry_after >= 1.0
+    # its Retry-After is the release rate's guess, not a slot, and still its fingerprint is
+    # remembered: when it comes back it is known, and queued
+    assert ac.came_back(Ask(BIG, streamed=True, key=5))
+    assert ac.try_admit(Ask(BIG, streamed=True, key=5)) is None
 
 
 async def test_a_request_that_comes_back_is_queued_whatever_its_wait() -> None:

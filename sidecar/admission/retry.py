@@ -177,9 +177,9 @@ class RetryPlanner:
         mine = self._booking_of(key)
         if book and key is not None:
             self._forget(key)
-        if budget_blocks is None or seconds_per_step is None or seconds_per_step <= 0:
-            return _clamp(fallback())
         now = self._clock()
+        if budget_blocks is None or seconds_per_step is None or seconds_per_step <= 0:
+            return self._fallback(fallback, now, book, key, mine)
         others = self.ledger.retry_columns(ahead, likely)
         for booking in self._counted():
             if key is not None and booking.key == key:
@@ -191,7 +191,7 @@ class RetryPlanner:
         own = self._own(candidate, likely)
         steps = steps_until_fits(others, own, budget_blocks - external_blocks, self.ledger.blocks)
         if steps is None:
-            return _clamp(fallback())
+            return self._fallback(fallback, now, book, key, mine)
         # a little late rather than early: the requests that make room must have ended and
         # been released when the client comes back, however the step time wavers
         seconds = _clamp(max(steps, 1) * seconds_per_step * _LATE_SHARE + _LATE_S)
@@ -203,6 +203,22 @@ class RetryPlanner:
         """Whether a request with fingerprint ``key`` was refused here and its booking is still
         remembered: the request has come back (its client's retry)."""
         return self._booking_of(key) is not None
+
+    def _fallback(
+        self,
+        fallback: Callable[[], float],
+        now: float,
+        book: bool,
+        key: int | None,
+        old: _Booking | None,
+    ) -> float:
+        """Retry-After where the trajectories give none (no step time, or a wait they cannot
+        bound): ``fallback``'s, the request's fingerprint remembered with no trajectory (it
+        holds no slot in later plans), so that its retry is still known as one."""
+        seconds = _clamp(fallback())
+        if book and key is not None:
+            self._book(Columns(), now, seconds, key, old)
+        return seconds
 
     def _booking_of(self, key: int | None) -> _Booking | None:
         """The booking remembered for the request with fingerprint ``key``, if any."""
