@@ -226,6 +226,11 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
         "client_429": sum(o["client_429"] for o in outs),
         "client_503": sum(o["client_503"] for o in outs),
         "requests_refused_to_client": sum(1 for o in outs if o["client_429"] or o["client_503"]),
+        # issue 21's bar: a request told to come back is admitted on its first or second return
+        # (refused at most twice, then served)
+        "served_by_second_return": sum(
+            1 for o in ok if 1 <= o["client_429"] + o["client_503"] <= 2
+        ),
         "max_attempts": max((o["attempts"] for o in outs), default=0),
         "nginx_refusals": sum(nx["refusals"].values()),
         "nginx_sent_on": nx["sent_on"],
