@@ -52,7 +52,7 @@ from sidecar.admission.pools import Pool, Pools, pool_state
 from sidecar.admission.queue import WaitQueue
 from sidecar.admission.retry import MIN_RETRY_AFTER
 from sidecar.admission.second_opinion import SecondOpinion
-from sidecar.admission.spill import Estimate, Returned, first_token, hand_back, judge
+from sidecar.admission.spill import Estimate, first_token, hand_back, judge
 from sidecar.admission.tenants import TenantUsage
 from sidecar.admission.waits import expected_wait, prefill_seconds, retry_in
 from sidecar.config import Policy, ReservationMode, StalePolicy
@@ -100,7 +100,6 @@ class AdmissionController:
         self.max_queue_depth = max_queue_depth
         self.max_queue_wait = max_queue_wait
         self.spill_wait = spill_wait  # --policy spill: the longest expected wait queued
-        self.returned = Returned()  # --policy spill: queued on their return after a refusal
         self.stale_after = stale_after
         self.stale_policy = StalePolicy(stale_policy)
         self.learner = LengthLearner(expected_quantile, prior=expected_prior, clock=clock)
@@ -373,7 +372,6 @@ class AdmissionController:
         shadows: list[tuple[Pool, Reservation]],
     ) -> Reservation:
         pool.retry.admitted(ask.key)
-        self.returned.discard(ask.key)
         self._sent(pool, ask)
         res = pool.ledger.add(candidate)
         res.engine = pool.engine
@@ -481,9 +479,7 @@ class AdmissionController:
                     ask,
                 )
             return self._refuse(Reason.KV_CACHE_FULL, "the KV cache is full; retry later", ask)
-        if self.policy is Policy.spill and not self.returned.check(
-            ask, self._remembers, self._clock(), self.max_queue_wait
-        ):
+        if self.policy is Policy.spill and not self.came_back(ask):
             verdict = judge(self.expected_waits(ask), threshold=self.spill_wait)
             if not verdict.queue:
                 return self._refuse(Reason.SPILLED, verdict.message, ask)
@@ -549,11 +545,15 @@ class AdmissionController:
         ``spill``, hand back the queued requests whose wait has grown (``spill.hand_back``)."""
         self._queue.pump()
         if self.policy is Policy.spill and self._queue:
-            stays = self.returned.__contains__  # came back: kept whatever their wait
-            hand_back(self._queue, self.expected_waits, threshold=self.spill_wait, stays=stays)
+            hand_back(
+                self._queue, self.expected_waits, threshold=self.spill_wait, stays=self.came_back
+            )
 
-    def _remembers(self, key: int) -> bool:
-        return any(p.retry.remembers(key) for p in self.pools)  # a refused request came back
+    def came_back(self, ask: Ask) -> bool:
+        """Whether the request was refused here before and its client retried it (a pool's
+        Retry-After planner still remembers its fingerprint): under spill, queued whatever its
+        wait (``sidecar.admission.spill``)."""
+        return ask.key is not None and any(p.retry.remembers(ask.key) for p in self.pools)
 
     def _admit_head(self, ask: Ask) -> Reservation | None:
         """The queue's try of its head: its reservation, if it can start now."""

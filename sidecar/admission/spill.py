@@ -23,10 +23,9 @@ pools the request may run in is the one judged (data-parallel engines).
   booking is still remembered: its client retried after the Retry-After it was given): queued
   whatever its wait, and never handed back. It has been round the fleet once already (the
   gateway's retry, where it made one, found no room either, or its client would not have been
-  refused), and a second refusal would only send its client to sleep again, up to the 60 s cap,
-  while the pools empty: measured behind HAProxy, 17-18 of a burst's 24 requests were refused
-  27-50 times in all (BENCHMARKS.md, Spill with 503 behind HAProxy). It stays known as such
-  while it waits, though its booking may expire meanwhile (:class:`Returned`).
+  refused), and a second refusal would only send its client to sleep again, up to the 60 s cap, while the
+  pools empty: measured behind HAProxy, 17-18 of a burst's 24 requests were refused 27-50
+  times in all (BENCHMARKS.md, Spill with 503 behind HAProxy).
 - Cold (no decode step time measured yet in a pool: a vLLM that has generated no token since it
   started; the first scrape after it has takes the mean of its inter-token latency histogram):
   queued. Steps cannot be turned into seconds, and a guess of the step time would be off by 10x
@@ -153,34 +152,6 @@ def first_token(estimates: Sequence[Estimate], *, prefill_seconds: float, target
         f"its first token {said}; the objective is {target:g}s (--ttft-target); retry "
         "after Retry-After or on another replica",
     )
-
-
-class Returned:
-    """The requests queued under spill because they came back after a refusal here: a pool's
-    Retry-After planner remembered their fingerprint on arrival. Kept as such while they may
-    still wait (their bookings may expire meanwhile): never handed back (:func:`hand_back`'s
-    ``stays``)."""
-
-    def __init__(self) -> None:
-        self._since: dict[int, float] = {}  # fingerprint: when it came back
-
-    def check(self, ask: Ask, remembers: Callable[[int], bool], now: float, keep: float) -> bool:
-        """Whether ``ask`` came back (``remembers`` its fingerprint); if so it is kept as such
-        until it is admitted (:meth:`discard`) or ``keep`` seconds (the longest queue wait)
-        have passed."""
-        key = ask.key
-        if key is None or not remembers(key):
-            return False
-        self._since = {k: t for k, t in self._since.items() if t > now - keep}
-        self._since[key] = now
-        return True
-
-    def __contains__(self, ask: Ask) -> bool:
-        return ask.key is not None and ask.key in self._since
-
-    def discard(self, key: int | None) -> None:
-        if key is not None:
-            self._since.pop(key, None)
 
 
 def hand_back(
