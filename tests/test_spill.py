@@ -154,64 +154,13 @@ def test_cold_queues_and_an_unbounded_wait_is_refused() -> None:
     assert "cannot be bounded" in refused.message
     assert refused.retry_after is not None and refused.retry_after >= 1.0
     # its Retry-After is the release rate's guess, not a slot, and still its fingerprint is
-    # remembered: when it comes back it is known, and queued
-    assert ac.came_back(Ask(BIG, streamed=True, key=5))
-    assert ac.try_admit(Ask(BIG, streamed=True, key=5)) is None
-
-
-async def test_a_request_that_comes_back_is_queued_whatever_its_wait() -> None:
-    """Refused ``spilled`` (4.5 s over the 2 s --spill-wait), the same body comes back a second
-    later, as its client's retry does: the planner recognises its fingerprint, and it is queued,
-    though its wait is as long; a request with another body is still spilled. Once the step
-    time doubles, the pump hands back nothing of it: it stays queued, and is admitted when room
-    is made."""
-    clock = Clock()
-    ac = controller(clock, max_queue_wait=60)
-    running = run_seven(ac, clock, (700,) * 7)
-    first = ac.try_admit(Ask(BIG, streamed=True, key=1))
-    assert first is not None and first.reason is Reason.SPILLED
-    assert not ac.came_back(Ask(BIG, streamed=True, key=2))
-    clock.now += 1.0
-    back = Ask(BIG, streamed=True, key=1)
-    assert ac.came_back(back)
-    assert ac.try_admit(back) is None  # queued, not refused again
-    waiting = asyncio.create_task(ac.wait(back))
-    await asyncio.sleep(0)
-    assert ac.queue_depth == 1
-    other = ac.try_admit(Ask(BIG, streamed=True, key=2))
-    assert other is not None and other.reason is Reason.SPILLED
-    ac.pools[0].view.seconds_per_step = 2 * STEP
-    ac.pump()
-    assert not waiting.done() and keys_queued(ac) == [1]
-    for d in running:
-        ac.release(d.reservation)  # type: ignore[arg-type]
-    admitted = await asyncio.wait_for(waiting, 5)
-    assert admitted.admitted and admitted.reason is Reason.QUEUED
-    assert not ac.came_back(Ask(BIG, streamed=True, key=1))  # its booking used up
-
-
-async def test_a_queued_request_that_came_back_is_never_handed_back() -> None:
-    """Of three queued (waits 1, 1.48 and 2.48 s), the last is a request refused here before:
-    at 100 ms a step every wait is over the bar, and the middle one alone is handed back (the
-    first is the next to be admitted)."""
-    clock = Clock()
-    ac = controller(clock, spill_wait=SPILL_WAIT, max_queue_wait=60)
-    run_seven(ac, clock, (874, 850) + (800,) * 5)
-    ac.retry_after(Ask(BIG, streamed=True, key=3))  # refused here before, and booked
-    tasks = []
-    for key in (1, 2, 3):
-        ask = Ask(BIG, streamed=True, key=key)
-        assert ac.try_admit(ask) is None
-        tasks.append(asyncio.create_task(ac.wait(ask)))
-        await asyncio.sleep(0)
-    assert keys_queued(ac) == [1, 2, 3]
-    ac.pools[0].view.seconds_per_step = 0.1
-    ac.pump()
-    assert keys_queued(ac) == [1, 3]
-    assert (await asyncio.wait_for(tasks[1], 5)).reason is Reason.SPILLED
-    for task in (tasks[0], tasks[2]):
-        assert not task.done()
-        task.cancel()
+    # remembered (a booking with no trajectory): when it comes back, refused again, its booking
+    # is replaced, not added to
+    assert ac.pools[0].retry.remembers(5)
+    assert ac.pools[0].retry.remembered == 1
+    again = ac.try_admit(Ask(BIG, streamed=True, key=5))
+    assert again is not None and again.reason is Reason.SPILLED
+    assert ac.pools[0].retry.remembers(5) and ac.pools[0].retry.remembered == 1
 
 
 def test_queue_and_reject_policies_are_unchanged() -> None:

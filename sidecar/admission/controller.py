@@ -479,7 +479,7 @@ class AdmissionController:
                     ask,
                 )
             return self._refuse(Reason.KV_CACHE_FULL, "the KV cache is full; retry later", ask)
-        if self.policy is Policy.spill and not self.came_back(ask):
+        if self.policy is Policy.spill:
             verdict = judge(self.expected_waits(ask), threshold=self.spill_wait)
             if not verdict.queue:
                 return self._refuse(Reason.SPILLED, verdict.message, ask)
@@ -545,15 +545,7 @@ class AdmissionController:
         ``spill``, hand back the queued requests whose wait has grown (``spill.hand_back``)."""
         self._queue.pump()
         if self.policy is Policy.spill and self._queue:
-            hand_back(
-                self._queue, self.expected_waits, threshold=self.spill_wait, stays=self.came_back
-            )
-
-    def came_back(self, ask: Ask) -> bool:
-        """Whether the request was refused here before and its client retried it (a pool's
-        Retry-After planner still remembers its fingerprint): under spill, queued whatever its
-        wait (``sidecar.admission.spill``)."""
-        return ask.key is not None and any(p.retry.remembers(ask.key) for p in self.pools)
+            hand_back(self._queue, self.expected_waits, threshold=self.spill_wait)
 
     def _admit_head(self, ask: Ask) -> Reservation | None:
         """The queue's try of its head: its reservation, if it can start now."""

@@ -19,13 +19,6 @@ pools the request may run in is the one judged (data-parallel engines).
 - Known and longer: refused at once with 429 ``spilled`` and the planner's Retry-After.
 - Not bounded by the trajectories (only requests that have not started yet stand in its way, and
   they are held at their worst, never freed): counted as long, refused.
-- Came back (its fingerprint, the digest of its body, matches a refusal of this sidecar's whose
-  booking is still remembered: its client retried after the Retry-After it was given): queued
-  whatever its wait, and never handed back. It has been round the fleet once already (the
-  gateway's retry, where it made one, found no room either, or its client would not have been
-  refused), and a second refusal would only send its client to sleep again, up to the 60 s cap, while the
-  pools empty: measured behind HAProxy, 17-18 of a burst's 24 requests were refused 27-50
-  times in all (BENCHMARKS.md, Spill with 503 behind HAProxy).
 - Cold (no decode step time measured yet in a pool: a vLLM that has generated no token since it
   started; the first scrape after it has takes the mean of its inter-token latency histogram):
   queued. Steps cannot be turned into seconds, and a guess of the step time would be off by 10x
@@ -160,12 +153,10 @@ def hand_back(
     *,
     threshold: float,
     margin: float = REJUDGE_MARGIN,
-    stays: Callable[[Ask], bool] = lambda ask: False,
 ) -> list[Waiter]:
     """Refuse (``WaitQueue.shed``, reason ``spilled``) the queued requests whose expected wait
     now (``waits(ask, seq)``: each pool's, with the requests queued before it ahead) is over
-    ``threshold`` x (1 + ``margin``), but for the one the queue tries next and those that
-    ``stays`` keeps (a request that came back after a refusal); the ones refused.
+    ``threshold`` x (1 + ``margin``), but for the one the queue tries next; the ones refused.
 
     Each tenant's line is judged from its newest waiter back and left at the first that may
     stay: a waiter's wait is at least that of any before it in its line (those are ahead of it
@@ -178,8 +169,8 @@ def hand_back(
         for waiter in reversed(line):
             if waiter is first:
                 break
-            if waiter.future.done() or stays(waiter.ask):
-                continue  # leaving in this very tick, or kept whatever its wait
+            if waiter.future.done():
+                continue  # leaving in this very tick
             verdict = judge(waits(waiter.ask, waiter.seq), threshold=bar)
             if verdict.queue:
                 break
