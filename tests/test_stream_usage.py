@@ -116,11 +116,10 @@ def test_a_client_that_asked_for_the_final_count_gets_it_and_not_every_events(
 
 
 def test_the_client_s_final_ask_is_extended_and_nothing_else_changes() -> None:
-    raw = json.dumps(
-        {"model": "m", "stream": True, "priority": 3, "stream_options": {"include_usage": True}}
-    ).encode()
-    extended = ask_every_event(raw)
-    assert extended is not None and ask_every_event(b"[1]") is None
+    sent = {"model": "m", "stream": True, "priority": 3, "stream_options": {"include_usage": True}}
+    extended = ask_every_event(sent)
+    assert extended is not None and ask_every_event({"stream_options": 1}) is None
+    assert sent["stream_options"] == {"include_usage": True}  # the client's own object kept
     body = json.loads(extended)
     assert body.pop("stream_options") == {"include_usage": True, "continuous_usage_stats": True}
     assert body == {"model": "m", "stream": True, "priority": 3}

@@ -257,9 +257,6 @@ class GenerationPath:
                 priority=priority,
                 tenant=tenant,
             )
-            if self.forward_priority and priority and "priority" not in request.body:
-                # vLLM runs --scheduling-policy priority: its scheduler orders as the queue did
-                raw = json.dumps({**request.body, "priority": priority}).encode()
             record.admit_start = time.perf_counter()
             decision = self.gate.try_admit(ask)
             if decision is None:  # queue it (with relay workers: ask the owner)
@@ -295,6 +292,7 @@ class GenerationPath:
                 raw_path,
                 raw,
                 request,
+                priority,
                 projection,
                 reservation,
                 watch,
@@ -323,6 +321,7 @@ class GenerationPath:
         raw_path: bytes,
         raw: bytes,
         request: GenerationRequest,
+        priority: int,
         projection: Projection,
         reservation: Reservation,
         watch: ClientWatch,
@@ -339,14 +338,19 @@ class GenerationPath:
             headers = [(k, v) for k, v in headers if k.lower() != DP_RANK_HEADER]
             headers.append((DP_RANK_HEADER, reservation.engine.encode()))
         url = self.relay.url(raw_path, scope["query_string"])
+        body = request.body  # the body to be sent, as read
+        if self.forward_priority and priority and "priority" not in body:
+            # vLLM runs --scheduling-policy priority: its scheduler orders as the queue did
+            body = {**body, "priority": priority}
+            raw = json.dumps(body).encode()
         # vLLM's usage count for a stream whose client asked for none (--stream-usage), taken out
         # of what the client receives (sidecar.http.stream_usage)
         asked, keep_final = None, False
         ask, endpoint, sequences = self.stream_usage, record.endpoint, projection.sequences
-        if ask is not None and wants_usage(endpoint, request.body, sequences):
+        if ask is not None and wants_usage(endpoint, body, sequences):
             asked = ask_usage(raw, ask)
-        elif ask == EVERY_EVENT and wants_every_event(endpoint, request.body, sequences):
-            asked = ask_every_event(raw)  # it asked for the final count: kept as it comes
+        elif ask == EVERY_EVENT and wants_every_event(endpoint, body, sequences):
+            asked = ask_every_event(body)  # it asked for the final count: kept as it comes
             keep_final = True
         if asked is not None:
             raw = asked

@@ -86,16 +86,17 @@ def wants_every_event(endpoint: str, body: dict[str, Any], sequences: int) -> bo
     )
 
 
-def ask_every_event(raw: bytes) -> bytes | None:
-    """``raw``, the body as it is to be sent, with ``continuous_usage_stats`` added to its
-    ``stream_options`` (written anew: the client's own object is changed, not spliced into);
-    None, and the body sent as it came, where it does not read back as such an object."""
-    try:
-        body = json.loads(raw)
-        body["stream_options"] = {**body["stream_options"], "continuous_usage_stats": True}
-        return json.dumps(body).encode()
-    except (ValueError, TypeError, KeyError):
+def ask_every_event(body: dict[str, Any]) -> bytes | None:
+    """``body``, the request as it is to be sent (already read), written out with
+    ``continuous_usage_stats`` added to its ``stream_options`` (the client's own object is
+    changed, not spliced into); None, and the body sent as it came, where it has no such
+    object."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict):
         return None
+    return json.dumps(
+        {**body, "stream_options": {**options, "continuous_usage_stats": True}}
+    ).encode()
 
 
 def stream_usage_asked(mode: StreamUsage, reservation: ReservationMode) -> bytes | None:
