@@ -326,6 +326,7 @@ class _Text(http.server.BaseHTTPRequestHandler):
 def test_status_prints_a_served_sidecar_and_a_change_applies_to_every_worker(
     upstream: FakeServer,
 ) -> None:
+    upstream.app.max_model_len = 10_000  # room for a sequence over vLLM's pool of 63 blocks
     with SidecarProcess(upstream.url, "--admin", "--workers", "2", "--log-level", "warning") as sc:
         resp = httpx.patch(
             sc.metrics_url + "/admin/settings",
@@ -333,7 +334,7 @@ def test_status_prints_a_served_sidecar_and_a_change_applies_to_every_worker(
             timeout=10,
         )
         assert resp.status_code == 200, resp.text
-        # both relay workers ask the owner, who refuses 8 sequences of 8 blocks (more than the
+        # both relay workers ask the owner, who refuses a sequence of 71 blocks (more than the
         # 63 of vLLM's pool): new connections until each worker has taken some (the kernel
         # picks the worker)
         sent = 0
@@ -342,7 +343,7 @@ def test_status_prints_a_served_sidecar_and_a_change_applies_to_every_worker(
                 sent += 1
                 refused = client.post(
                     "/v1/completions",
-                    json={**body(900), "n": 8},
+                    json=body(9_000),
                     headers={
                         "connection": "close",
                         "x-kv-sidecar-tenant": "etl",

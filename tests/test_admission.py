@@ -185,11 +185,40 @@ def test_headroom_and_external_usage_shrink_the_budget() -> None:
 
 
 def test_a_request_that_can_never_fit_is_refused_at_once() -> None:
+    """One sequence over vLLM's whole pool: vLLM could never schedule it either."""
     clock = Clock()
-    ac = controller(clock)  # vLLM's pool: 63 usable blocks
-    d = ac.try_admit(Ask(proj(n=8), streamed=True))  # 8 sequences of 8 blocks at their peak
+    ac = controller(clock)
+    ac.on_snapshot(snapshot(clock, blocks=8))  # vLLM's pool: 7 usable blocks
+    d = ac.try_admit(Ask(proj(), streamed=True))  # 271 + 700 tokens: 8 blocks at its peak
     assert d is not None and d.reason == "too_large" and d.retry_after is None
-    assert "can reach 64 KV blocks" in d.message and "holds 63 blocks" in d.message
+    assert "can reach 8 KV blocks" in d.message and "holds 7 blocks" in d.message
+
+
+async def test_a_request_whose_sequences_together_outgrow_the_pool_runs_alone() -> None:
+    """8 sequences of 8 blocks at their peak (n = 8) on a pool of 63: each fits, so vLLM serves
+    the request (each sample is a request of its own in its scheduler). In worst-case mode it
+    is not refused as too large: it waits for an empty pool, as one over the budget does, then
+    runs alone; adaptive mode, which reserves it by its expected ends, admits it beside others."""
+    clock = Clock()
+    ac = controller(clock, policy="queue", reservation="worst-case", max_queue_wait=5)
+    first = ac.try_admit(Ask(proj(prompt=100, max_tokens=100), streamed=True))
+    assert first is not None and first.admitted and first.reservation is not None
+    big = Ask(proj(n=8), streamed=True)
+    assert big.projection.peak_blocks == 64 and big.projection.sequence_peak_blocks == 8
+    assert ac.try_admit(big) is None  # queued, not refused
+    waiting = asyncio.create_task(ac.wait(big))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    ac.release(first.reservation)
+    d = await waiting
+    assert d.admitted and d.reservation is not None
+    assert ac.state().in_flight == 1
+    # and nothing else beside it
+    assert ac.try_admit(Ask(proj(prompt=10, max_tokens=10), streamed=True)) is None
+
+    adaptive = controller(Clock(), policy="reject", reservation="adaptive")
+    d = adaptive.try_admit(Ask(proj(n=8), streamed=True))
+    assert d is not None and d.admitted, d
 
 
 def test_a_request_over_the_budget_but_within_the_pool_runs_alone() -> None:
@@ -614,7 +643,8 @@ def test_each_engine_is_its_own_pool_and_a_request_goes_where_it_fits() -> None:
 def test_a_request_larger_than_one_engines_pool_is_too_large() -> None:
     clock = Clock()
     ac = dp_controller(clock)
-    d = ac.try_admit(Ask(proj(n=3), streamed=True))  # 3 x 8 blocks > 19, < 38
+    ac.on_snapshot(dp_snapshot(clock, used=(0, 0), blocks=8))  # 7 usable blocks each
+    d = ac.try_admit(Ask(proj(), streamed=True))  # one sequence of 8 blocks > 7, < 14
     assert d is not None and d.reason.value == "too_large"
     assert "per engine" in d.message
 

@@ -145,7 +145,9 @@ async def test_messages_not_ready_and_too_large_are_anthropic_shaped(upstream: F
         retry_after(resp)
         stack.fake.metrics_mode = "ok"
         await eventually(lambda: stack.sidecar.discovered, "discovered", within=5)
-        resp = await stack.client.post("/v1/messages", json=chat(max_tokens=1000, n=10))
+        stack.fake.num_gpu_blocks = 8  # 7 usable blocks: one answer of 1,000 tokens needs 8
+        await eventually(lambda: stack.sidecar.admission.capacity_blocks == 7, "rescraped", 5)
+        resp = await stack.client.post("/v1/messages", json=chat(max_tokens=1000))
         assert resp.status_code in (400, 413), resp.text
         anthropic_error(resp, resp.status_code, ANTHROPIC_STATUS[resp.status_code])
 

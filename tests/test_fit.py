@@ -194,6 +194,21 @@ def test_fits(
     assert fits(ledger, cand, pool, headroom=headroom, strict=strict) is expected, why
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_sequences_that_together_outgrow_the_pool_run_alone(strict: bool) -> None:
+    """n = 2 of 13 blocks each (26 over a pool of 20): each sequence fits, so vLLM serves it;
+    it runs into an empty pool, never beside another. One sequence of 25 never fits."""
+    two = candidate(ledger_of([]), 200, 8, n=2)
+    assert (two.projection.peak_blocks, two.projection.sequence_peak_blocks) == (26, 13)
+    assert fits(ledger_of([]), two, FRESH, headroom=0.0, strict=strict)
+    busy = ledger_of([Running(10, 6)])
+    assert not fits(
+        busy, busy.candidate(two.projection, streamed=True), FRESH, headroom=0.0, strict=strict
+    )
+    one = candidate(ledger_of([]), 300, 100)
+    assert not fits(ledger_of([]), one, FRESH, headroom=0.0, strict=strict)
+
+
 def test_strict_and_expected_agree_where_the_reserved_peaks_fit() -> None:
     """The worst-case shortcut (sum of the reserved peaks) never admits what the trajectories
     refuse: over random in-flight sets, strict's answer equals the trajectory check's."""

@@ -237,9 +237,9 @@ async def test_a_client_that_leaves_the_queue_cancels_its_ask_at_the_owner() -> 
 SEVEN_BLOCKS = project_counts(
     (100,), requested_max_tokens=700, n=1, max_model_len=1024, blocks=UniformBlocks(128)
 )
-#: 8 sequences of 8 blocks: over the budget of 59, refused at once (a round trip to the owner)
+#: one sequence of 71 blocks: over the pool of 63, refused at once (a round trip to the owner)
 TOO_LARGE = project_counts(
-    (3,), requested_max_tokens=900, n=8, max_model_len=1024, blocks=UniformBlocks(128)
+    (3,), requested_max_tokens=9_000, n=1, max_model_len=10_000, blocks=UniformBlocks(128)
 )
 
 

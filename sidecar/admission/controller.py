@@ -441,23 +441,27 @@ class AdmissionController:
                 )
             return Decision(Outcome.ADMIT, Reason.FITS, reservation=self._admit(ask, *placed))
         projection = ask.projection
-        # too large only where vLLM could not run it either: over the pool, not the budget (one
-        # between them runs alone, fit.fits)
+        # too large only where vLLM could not run it either: one sequence over the pool, not the
+        # whole request (vLLM schedules each sequence of n and each prompt of a list on its own)
+        # and not the budget (a request over either within the pool runs alone, fit.fits)
         if len(self.pools) == 1:
             capacity = self.pools[0].view.capacity_blocks
         else:
             capacities = [p.view.capacity_blocks for p in self._open(ask)]
             capacity = None if None in capacities else max(c for c in capacities if c is not None)
-        if capacity is not None and projection.exact and projection.peak_blocks > capacity:
+        if (
+            capacity is not None
+            and projection.exact
+            and projection.sequence_peak_blocks > capacity
+        ):
             return Decision(
                 Outcome.REJECT,
                 Reason.TOO_LARGE,
                 message=(
-                    f"this request can reach {projection.peak_blocks} KV blocks "
-                    f"({projection.peak_tokens} tokens) but vLLM's KV cache holds {capacity} "
-                    "blocks"
+                    f"one sequence of this request can reach {projection.sequence_peak_blocks} "
+                    f"KV blocks but vLLM's KV cache holds {capacity} blocks"
                     + (" per engine" if len(self.pools) > 1 else "")
-                    + "; it can never run: lower max_tokens, n or the prompt"
+                    + "; it can never run: lower max_tokens or the prompt"
                 ),
             )
         ahead = self._queue.has_ahead(ask)

@@ -20,8 +20,9 @@ What is checked (``sidecar.kv.trajectory`` for the peak):
 - the sum of the reserved peaks bounds the future peak from above in strict (worst-case) mode,
   and in the others while no request in flight has run past its reserved end: when even that
   fits, the trajectories need not be laid out.
-- a request whose reservation alone is over the budget (within the pool: the controller refuses
-  one over it), or whose estimated (upper-bound) prompt is, runs only into an empty pool.
+- a request whose reservation alone is over the budget (or the pool: the controller refuses one
+  whose single sequence is over it), or whose estimated (upper-bound) prompt is, runs only into
+  an empty pool.
 
 >>> from sidecar.kv.geometry import UniformBlocks
 >>> from sidecar.kv.ledger import Ledger
@@ -138,18 +139,21 @@ def fits(
         bound = ledger.reserved_blocks + candidate.reserved_blocks
         if committed_blocks(bound, pool, prompt_blocks=prompt) <= budget:
             return True
-    # a request over the budget but within the pool (the controller refuses one over the pool)
-    # runs when nothing else does: vLLM runs it alone without a preemption, and the headroom
-    # must not make a request that vLLM serves unrunnable (a chat without max_tokens reaches
-    # the whole context, which a pool sized for one context holds, but not 95% of it); an
-    # upper-bound estimated prompt likewise
+    # a request over the budget runs when nothing else does: within the pool vLLM runs it alone
+    # without a preemption, and the headroom must not make a request that vLLM serves
+    # unrunnable (a chat without max_tokens reaches the whole context, which a pool sized for
+    # one context holds, but not 95% of it); over the pool with each of its sequences within
+    # it (the controller refuses one over it), vLLM serves it too, its sequences preempting
+    # one another only if together they outgrow the pool; an upper-bound estimated prompt
+    # likewise
     alone = (
         candidate.reserved_blocks
         if exact
         else future_peak(ledger.trajectories([candidate], in_flight=False), ledger.blocks)
     )
     if alone > full:
-        if exact and pool.capacity_blocks is not None and alone > pool.capacity_blocks:
+        sequence = candidate.projection.sequence_peak_blocks
+        if exact and pool.capacity_blocks is not None and sequence > pool.capacity_blocks:
             return False
         return len(ledger) == 0 and pool.external_blocks == 0
     # the kept bounds first, coarse then fine: while streams advance they settle most decisions

@@ -42,6 +42,10 @@ class Projection:
     #: output tokens each sequence generates at least (the request's ``min_tokens``: vLLM
     #: ignores the end-of-sequence token until then), at most its max_tokens
     min_tokens: int = 0
+    #: the most blocks one sequence reaches at its max_tokens: vLLM schedules each prompt of a
+    #: list and each of ``n`` samples as a request of its own, so this, not ``peak_blocks``, is
+    #: what must fit vLLM's pool for the request to run at all (0: not computed)
+    sequence_peak_blocks: int = 0
 
     @property
     def sequences(self) -> int:
@@ -137,9 +141,14 @@ def project_counts(
         effective.append(min(v for v in limits if v is not None))
         counts.append(count)
     prompt_blocks = n * sum(blocks.blocks_for_tokens(c) for c in counts)
-    peak_blocks = n * sum(
-        blocks.blocks_for_tokens(c + m) for c, m in zip(counts, effective, strict=True)
-    )
+    peaks = [blocks.blocks_for_tokens(c + m) for c, m in zip(counts, effective, strict=True)]
     return Projection(
-        tuple(counts), tuple(effective), n, prompt_blocks, peak_blocks, exact, max(0, min_tokens)
+        tuple(counts),
+        tuple(effective),
+        n,
+        prompt_blocks,
+        n * sum(peaks),
+        exact,
+        max(0, min_tokens),
+        max(peaks, default=0),
     )
