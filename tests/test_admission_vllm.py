@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from harness.vllm_info import VllmInfo
-from harness.workload import SidecarProcess, make_prompts
+from harness.workload import SidecarProcess, make_prompts, metric_value
 from tests.support.external import unless_external
 from tests.support.vllm_idle import idle_preemptions
 
@@ -76,3 +76,30 @@ def test_openai_client_at_its_default_retries_completes_an_over_budget_burst(
     assert tokens == [700] * 16, f"{tokens} after 429s with retry-after-ms {retry_after_ms}"
     assert retry_after_ms  # the burst really was over budget, and was retried
     assert idle_preemptions(vllm.url) == before
+
+
+def test_samples_that_together_outgrow_the_pool_are_served_as_vllm_serves_them(
+    vllm: VllmInfo,
+) -> None:
+    """A chat without max_tokens asking for n = 8 on vLLM's pool of 63 blocks: each sample may
+    reach the whole context (8 blocks), 64 together. vLLM schedules each sample as a request of
+    its own, so it serves this; the sidecar in worst-case mode did not, answering 413 "can never
+    run" before b733d53. Now it runs alone, and the official client gets its 8 choices."""
+    _sized(vllm)
+    assert vllm.model_dir is not None
+    (prompt,) = make_prompts(vllm.model_dir, 1, 880, seed=3)  # short answers: ~140 tokens left
+    with SidecarProcess(vllm.url, "--reservation", "worst-case") as sc:
+        client = openai.OpenAI(base_url=sc.url + "/v1", api_key="unused")
+        out = client.chat.completions.create(
+            model=vllm.served_name, messages=[{"role": "user", "content": prompt}], n=8
+        )
+        client.close()
+        assert len(out.choices) == 8
+        assert out.usage is not None and out.usage.prompt_tokens + 1 <= vllm.max_model_len
+        metrics = sc.metrics()
+        assert metric_value(metrics, "kv_sidecar_requests_total", reason="too_large") == 0
+        admitted = [
+            metric_value(metrics, "kv_sidecar_requests_total", decision="admit", reason=r)
+            for r in ("fits", "queued")  # queued while a previous test's requests ended
+        ]
+        assert sum(a or 0 for a in admitted) == 1, admitted
