@@ -82,7 +82,7 @@ def measure(raw: dict[str, Any], configs: list[str], prompts: list[str], started
             load = " ".join(f"{x:.1f}" for x in load_average())
             progress(f"fleet: run {i}/{len(plan)}: {config}, repetition {rep + 1} (load {load})")
             try:
-                run = run_config(config, vllms, prompts, max_tokens)
+                run = run_config(config, vllms, prompts, max_tokens, raw.get("poisson_rate"))
             except Exception as exc:  # one broken run must not end the others
                 progress(f"fleet: {config} FAILED: {exc!r}")
                 continue
@@ -124,6 +124,20 @@ def parser() -> argparse.ArgumentParser:
         "left alone",
     )
     parser.add_argument(
+        "--poisson",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="send the requests as a Poisson process of RATE a second (the same seeded times "
+        "in every run) instead of all at once; results named with -poisson<RATE>",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"how many requests (default {FULL_SIZE[0]}; quick {QUICK_SIZE[0]})",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="redo figures, charts and report from bench/results/fleet-raw.json",
@@ -135,6 +149,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cli = parser()
     args = cli.parse_args(argv)
     suffix = ("-quick" if args.quick else "") + args.suffix
+    if args.poisson is not None:
+        if args.poisson <= 0:
+            cli.error("--poisson: a rate above 0 requests a second")
+        suffix += f"-poisson{args.poisson:g}"
+    if args.requests is not None and args.requests < 1:
+        cli.error("--requests: at least 1")
     if args.report_only:
         stored = json.loads((RESULTS / f"fleet{suffix}-raw.json").read_text())
         return finish(stored, not args.no_report)
@@ -144,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cli.error(f"unknown configuration {c}; one of {', '.join(CONFIGS)}")
     repeat = args.repeat or (1 if args.quick else 3)
     count, prompt_tokens, max_tokens = QUICK_SIZE if args.quick else FULL_SIZE
+    count = args.requests or count
     haproxy_version = subprocess.run(
         [haproxy_binary(), "-v"], capture_output=True, text=True
     ).stdout.splitlines()[0]
@@ -162,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "nginx_version": re.sub(r"^nginx version: ", "", nginx_version),
         "haproxy_version": re.sub(r"^HAProxy version (\S+).*$", r"\1", haproxy_version),
         "size": [count, prompt_tokens, max_tokens],
+        "poisson_rate": args.poisson,
         "repeat": repeat,
         "weights": WEIGHTS,
         "num_gpu_blocks": NUM_GPU_BLOCKS,

@@ -202,6 +202,14 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
     command = "python -m bench.fleet" + (" --quick" if raw["quick"] else "")
     if raw["repeat"] != (1 if raw["quick"] else 3):
         command += f" --repeat {raw['repeat']}"
+    rate = raw.get("poisson_rate")
+    if rate is not None:
+        command += f" --poisson {rate:g} --requests {count}"
+    sent = (
+        "sent at once"
+        if rate is None
+        else f"sent as a Poisson process of {rate:g} a second (seeded: the same times each run)"
+    )
     lines = [
         f"Run: {machine_line(raw['machine'], raw.get('load_average_after'))}.",
         "",
@@ -216,11 +224,13 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
         "nginx configuration; the exact file is in the raw JSON). Sidecars: defaults plus "
         "`--max-queue-wait 600 --max-queue-depth 1024` (`sidecar-spill-S`: `--policy spill "
         "--spill-wait S`), fresh for each run. The burst: "
-        f"{count} streamed completions sent at once, {prompt_tokens}-token prompts, max_tokens "
+        f"{count} streamed completions {sent}, {prompt_tokens}-token prompts, max_tokens "
         f"{max_tokens} with `ignore_eos` (each reaches {peak} blocks: one pool holds {fit} at "
         f"their peak, the two {2 * fit}). The client retries a 429 or 503 after its "
         f"`retry-after-ms` / `Retry-After`, at most {MAX_ATTEMPTS} attempts per request; "
-        "TTFT and E2E count from the first attempt.",
+        "TTFT and E2E count from the first attempt"
+        + ("" if rate is None else ", each from its request's own send time")
+        + ".",
         "",
         *(
             [

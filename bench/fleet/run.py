@@ -143,11 +143,17 @@ async def one(
     max_tokens: int,
     t0: float,
     rng: random.Random,
+    arrival: float = 0.0,
 ) -> dict[str, Any]:
     """One streamed completion through nginx, retried after 429/503 as the openai client does
-    (its ``retry-after-ms`` / ``Retry-After``), at most ``MAX_ATTEMPTS`` attempts."""
+    (its ``retry-after-ms`` / ``Retry-After``), at most ``MAX_ATTEMPTS`` attempts; sent
+    ``arrival`` seconds after ``t0``, and timed from then."""
+    if arrival > 0:
+        await asyncio.sleep(max(0.0, t0 + arrival - time.monotonic()))
+        t0 += arrival
     out: dict[str, Any] = {
         "id": index,
+        "arrival": round(arrival, 3),
         "status": 0,
         "ttft": None,
         "e2e": None,
@@ -223,18 +229,34 @@ async def one(
             return out
 
 
+def arrivals(count: int, rate: float | None) -> list[float]:
+    """Each request's send time in seconds from the start: all at once (``rate`` None, the
+    burst), or a Poisson process of ``rate`` requests a second (seeded: the same times in every
+    run)."""
+    if rate is None:
+        return [0.0] * count
+    rng = random.Random(11)
+    times, t = [], 0.0
+    for _ in range(count):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
 async def burst(
-    url: str, prompts: list[str], max_tokens: int
+    url: str, prompts: list[str], max_tokens: int, rate: float | None = None
 ) -> tuple[list[dict[str, Any]], float]:
-    """Every prompt sent at once through ``url``; the outcomes and the seconds to the last."""
+    """Every prompt sent through ``url`` at once or as a Poisson stream of ``rate`` a second;
+    the outcomes and the seconds from the first send to the last answer."""
     rng = random.Random(5)
+    sends = arrivals(len(prompts), rate)
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(REQUEST_DEADLINE_S, connect=10), limits=limits, trust_env=False
     ) as client:
         t0 = time.monotonic()
         outcomes = await asyncio.gather(
-            *(one(client, url, i, p, max_tokens, t0, rng) for i, p in enumerate(prompts))
+            *(one(client, url, i, p, max_tokens, t0, rng, sends[i]) for i, p in enumerate(prompts))
         )
         return list(outcomes), time.monotonic() - t0
 
@@ -318,7 +340,11 @@ def sidecar_flags(config: str) -> list[str]:
 
 
 def run_config(
-    config: str, vllms: dict[str, VllmServer], prompts: list[str], max_tokens: int
+    config: str,
+    vllms: dict[str, VllmServer],
+    prompts: list[str],
+    max_tokens: int,
+    rate: float | None = None,
 ) -> dict[str, Any]:
     urls = {name: v.url for name, v in vllms.items()}
     wait_idle(*urls.values(), timeout=180.0)
@@ -363,7 +389,7 @@ def run_config(
             target=sampler, args=(urls, sidecars, samples, stop, haproxy), daemon=True
         )
         thread.start()
-        outcomes, seconds = asyncio.run(burst(gateway_url, prompts, max_tokens))
+        outcomes, seconds = asyncio.run(burst(gateway_url, prompts, max_tokens, rate))
         stop.set()
         thread.join()
         time.sleep(0.5)  # nginx and HAProxy write a log line when the answer ends
@@ -389,6 +415,7 @@ def run_config(
     return {
         "config": config,
         "seconds": seconds,
+        "poisson_rate": rate,
         "outcomes": outcomes,
         "gateway": "haproxy" if haproxy is not None else "nginx",
         # the gateway's log, one dict per request (HAProxy's parsed into nginx's fields, and its
