@@ -72,3 +72,25 @@ def test_a_count_cut_anywhere_across_chunks_is_read_whole() -> None:
     for i in range(len(answer)):
         t.feed(answer[i : i + 1], sse=False)
     assert t.completion_tokens == 12345
+
+
+def test_responses_and_messages_count_their_output_tokens() -> None:
+    """Their usage names the answer's length ``output_tokens``: the Messages stream's first
+    event says 1 and its ``message_delta`` the whole answer; a chat's tracker reads only
+    ``completion_tokens``."""
+    start = (
+        b"event: message_start\n"
+        b'data: {"message": {"usage": {"input_tokens": 9, "output_tokens": 1}}}\n\n'
+    )
+    delta = b'event: message_delta\ndata: {"delta": {}, "usage": {"output_tokens": 12}}\n\n'
+    t = UsageTracker("messages")
+    t.feed(start, sse=True)
+    assert t.completion_tokens == 1
+    t.feed(delta, sse=True)
+    assert t.completion_tokens == 12 and t.progress(sequences=1) == 12
+    other = UsageTracker("chat")
+    other.feed(start + delta, sse=True)
+    assert other.completion_tokens is None
+    responses = UsageTracker("responses")
+    responses.feed(b'{"usage": {"output_tokens": 7, "output_tokens_details": {"x": 1}}}', sse=False)
+    assert responses.completion_tokens == 7

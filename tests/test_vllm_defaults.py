@@ -40,6 +40,7 @@ from harness.workload import SidecarProcess, metric_value
 from sidecar.config import Settings
 from sidecar.engine.discovery import generation_config_max_tokens
 from tests.conftest import VllmInfo
+from tests.support.wait import wait_for
 
 EXTERNAL = os.environ.get("KV_SIDECAR_TEST_VLLM_URL")
 
@@ -257,6 +258,46 @@ def test_responses_without_max_output_tokens_gets_the_rest_of_the_context(
     assert answer["max_output_tokens"] == projected  # what vLLM's sampling params held
     if EXTERNAL is None:
         assert projected == vllm.max_model_len - answer["usage"]["input_tokens"]
+
+
+def _output_tokens(path: str, answer: bytes, stream: bool) -> int:
+    """The answer's length as vLLM counted it: ``usage.output_tokens`` of the body, or of the
+    stream's last event that carries a usage (``response.completed``, ``message_delta``)."""
+    if not stream:
+        return int(json.loads(answer)["usage"]["output_tokens"])
+    counts = []
+    for line in answer.splitlines():
+        if line.startswith(b"data: {"):
+            event = json.loads(line[6:])
+            usage = event.get("usage") or (event.get("response") or {}).get("usage")
+            if usage and usage.get("output_tokens") is not None:
+                counts.append(int(usage["output_tokens"]))
+    assert counts, f"no usage in the {path} stream: {answer[-500:]!r}"
+    return counts[-1]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_the_answers_length_is_counted_on_responses_and_messages(
+    vllm: VllmInfo, front: SidecarProcess, path: str, stream: bool
+) -> None:
+    """The Responses and Anthropic Messages endpoints name the answer's length
+    ``usage.output_tokens``; the sidecar counted it (``kv_sidecar_completion_tokens_total``, and
+    the length its learner takes) only where it is ``completion_tokens`` until now."""
+    body: dict[str, Any] = {"model": vllm.served_name, "stream": stream, "temperature": 0}
+    if path == "/v1/responses":
+        body |= {"input": "Count the birds in the garden.", "max_output_tokens": 12}
+    else:
+        body |= {"messages": [{"role": "user", "content": "Count the birds."}], "max_tokens": 12}
+    before = metric_value(front.metrics(), "kv_sidecar_completion_tokens_total") or 0.0
+    resp = httpx.post(front.url + path, json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    tokens = _output_tokens(path, resp.content, stream)
+    assert 1 <= tokens <= 12
+    wait_for(lambda: front.state()["in_flight"] == 0, "the answer released", 30)
+    after = metric_value(front.metrics(), "kv_sidecar_completion_tokens_total")
+    assert after == before + tokens
 
 
 # --- real vLLM: one extra server with a generation config default, then one with a cap ---------

@@ -383,7 +383,7 @@ class GenerationPath:
         record.status = response.status_code
 
         gate = self.gate
-        tracker = UsageTracker()
+        tracker = UsageTracker(record.endpoint)
         sequences = max(projection.sequences, 1)
         streamed = request.stream
 

@@ -6,13 +6,27 @@
 (2, 7)
 >>> t.progress(sequences=1)  # the usage count, where there is one, is exact
 7.0
+
+The Responses and Anthropic Messages endpoints count the answer as ``usage.output_tokens``
+(``response.completed``'s and ``message_delta``'s usage when streamed):
+
+>>> t = UsageTracker(endpoint="responses")
+>>> t.feed(b'{"usage": {"input_tokens": 4, "output_tokens": 9, "total_tokens": 13}}', sse=False)
+>>> t.completion_tokens
+9
 """
 
 from __future__ import annotations
 
 import re
 
-_USAGE_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+#: the answer's length as each endpoint's usage names it (completions and chat:
+#: ``completion_tokens``; Responses and Anthropic Messages: ``output_tokens``)
+_KEYS = {"responses": b'"output_tokens"', "messages": b'"output_tokens"'}
+_COMPLETION_KEY = b'"completion_tokens"'
+_COUNTS = {
+    key: re.compile(re.escape(key) + rb"\s*:\s*(\d+)") for key in (_COMPLETION_KEY, *_KEYS.values())
+}
 #: the bytes of one chunk kept to read the next with: longer than any match (the key, a space,
 #: the digits), so a count cut across two chunks is read whole; not more, since every chunk is
 #: searched with them (a stream's every event carries a count under vLLM's continuous usage)
@@ -23,24 +37,26 @@ class UsageTracker:
     """SSE: one ``data:`` event per decoding step per sequence, and the exact ``usage`` in the
     last event when the client asked for it. JSON: ``usage.completion_tokens`` near the end."""
 
-    __slots__ = ("_tail", "completion_tokens", "events")
+    __slots__ = ("_count", "_key", "_tail", "completion_tokens", "events")
 
-    def __init__(self) -> None:
+    def __init__(self, endpoint: str = "completions") -> None:
         self.events = 0
         self.completion_tokens: int | None = None
         self._tail = b""
+        self._key = _KEYS.get(endpoint, _COMPLETION_KEY)
+        self._count = _COUNTS[self._key]
 
     def feed(self, chunk: bytes, *, sse: bool) -> None:
         if sse:
             self.events += chunk.count(b"data:")
         window = self._tail + chunk
-        at = window.rfind(b'"completion_tokens"')
+        at = window.rfind(self._key)
         while at >= 0:  # the last count in the window (a text that spells the key is no count)
-            found = _USAGE_COMPLETION.match(window, at)
+            found = self._count.match(window, at)
             if found:
                 self.completion_tokens = int(found[1])
                 break
-            at = window.rfind(b'"completion_tokens"', 0, at)
+            at = window.rfind(self._key, 0, at)
         self._tail = window[-_TAIL_BYTES:]
 
     def progress(self, *, sequences: int) -> float:
