@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import re
 
-#: the answer's length as each endpoint's usage names it (completions and chat:
-#: ``completion_tokens``; Responses and Anthropic Messages: ``output_tokens``)
-_KEYS = {"responses": b'"output_tokens"', "messages": b'"output_tokens"'}
-_COMPLETION_KEY = b'"completion_tokens"'
+#: the answer's length as each endpoint's usage names it: ``completion_tokens`` for completions
+#: and chat, ``output_tokens`` for these (Responses, Anthropic Messages)
+_OUTPUT_TOKENS_ENDPOINTS = frozenset({"responses", "messages"})
 _COUNTS = {
-    key: re.compile(re.escape(key) + rb"\s*:\s*(\d+)") for key in (_COMPLETION_KEY, *_KEYS.values())
+    key: re.compile(re.escape(key) + rb"\s*:\s*(\d+)")
+    for key in (b'"completion_tokens"', b'"output_tokens"')
 }
 #: the bytes of one chunk kept to read the next with: longer than any match (the key, a space,
 #: the digits), so a count cut across two chunks is read whole; not more, since every chunk is
@@ -43,7 +43,9 @@ class UsageTracker:
         self.events = 0
         self.completion_tokens: int | None = None
         self._tail = b""
-        self._key = _KEYS.get(endpoint, _COMPLETION_KEY)
+        self._key = (
+            b'"output_tokens"' if endpoint in _OUTPUT_TOKENS_ENDPOINTS else b'"completion_tokens"'
+        )
         self._count = _COUNTS[self._key]
 
     def feed(self, chunk: bytes, *, sse: bool) -> None:
