@@ -4,6 +4,7 @@ trajectory gives (sidecar/kv/trajectory.py over Ledger.trajectories), through ev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +27,12 @@ class Groups:
             return 0
         pages = -(-num_tokens // self.block_size)
         return sum(pages if cap is None else min(pages, cap) for cap in self.group_caps)
+
+    def blocks_held(self, num_tokens: int, prompt: int, *, started: bool) -> int:
+        return self.blocks_for_tokens(num_tokens)
+
+    def window_caps(self, prompt: Any, started: Any) -> tuple[int | None, ...]:
+        return self.group_caps
 
 
 #: chain hashes: a prompt's full blocks are a prefix of one of these chains (shared prefixes)

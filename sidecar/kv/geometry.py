@@ -12,7 +12,10 @@ rules (``vllm/v1/kv_cache_interface.py``, ``vllm/v1/core/kv_cache_utils.py``,
 * layers are grouped into KV-cache groups of equal size (the hybrid allocator); one block of
   the shared pool holds one page of every layer of one group, and a request takes blocks from
   every group: full-attention groups ``ceil(tokens / block_size)``, sliding-window groups at most
-  ``ceil(min(window - 1 + in_flight_tokens, max_model_len) / block_size) + 1``;
+  ``ceil(min(window - 1 + in_flight_tokens, max_model_len) / block_size) + 1``, where the tokens
+  in flight are what one step may schedule for vLLM's pool sizing and admission cap, but for one
+  sequence at most its prompt while it prefills and a token a step once it decodes
+  (``SlidingWindowManager.remove_skipped_blocks`` frees what falls out of the window);
 * the pool has ``available_memory // bytes_per_block`` blocks; the maximum concurrency is
   ``num_blocks / blocks_per_request(max_model_len)``.
 
@@ -34,7 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from sidecar.errors import GeometryError
+from sidecar.kv.blocks import UniformBlocks as UniformBlocks  # where callers found it first
 
 GIB = 1 << 30
 
@@ -492,6 +499,9 @@ class KVGeometry:
     groups: tuple[KVGroup, ...]
     layers_per_group: int
     max_in_flight_tokens: int
+    #: tokens in flight for a decoding sequence: the one it schedules and one a concurrent batch
+    #: (vLLM frees on the processed-token basis, so an unsettled step keeps its window's blocks)
+    decode_in_flight_tokens: int = DEFAULT_MAX_CONCURRENT_BATCHES + 1
 
     @classmethod
     def build(
@@ -535,6 +545,7 @@ class KVGeometry:
             groups=tuple(groups),
             layers_per_group=max(g.num_layers for g in groups),
             max_in_flight_tokens=max_num_batched_tokens * max_concurrent_batches,
+            decode_in_flight_tokens=max_concurrent_batches + 1,
         )
 
     @property
@@ -559,14 +570,70 @@ class KVGeometry:
         A sliding-window group keeps the window plus what one step may schedule, and one block
         more for the window's misalignment with block boundaries.
         """
-        caps: list[int | None] = []
-        for group in self.groups:
-            if group.sliding_window is None:
-                caps.append(None)
+        return self._caps(self.max_in_flight_tokens)
+
+    def _caps(self, in_flight: int) -> tuple[int | None, ...]:
+        size, longest = self.block_size, self.max_model_len
+        return tuple(
+            None
+            if g.sliding_window is None
+            else cdiv(min(g.sliding_window - 1 + in_flight, longest), size) + 1
+            for g in self.groups
+        )
+
+    def blocks_held(self, num_tokens: int, prompt: int, *, started: bool) -> int:
+        """Pool blocks a sequence of ``prompt`` prompt tokens holds at ``num_tokens``. A
+        sliding-window group holds the window and the tokens in flight: once the sequence has
+        started, a decode step's; before, what its prefill holds (its prompt's pages, at most
+        the window and a step's chunk), the most it holds in its life.
+
+        >>> g = KVGeometry.build(ModelKV.from_config({"num_hidden_layers": 2,
+        ...     "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
+        ...     "sliding_window": 256, "torch_dtype": "bfloat16"}), block_size=32,
+        ...     max_model_len=4096)
+        >>> g.blocks_for_tokens(1200), g.blocks_held(1200, 600, started=False)
+        (38, 19)
+        >>> g.blocks_held(1200, 600, started=True), g.blocks_held(100, 100, started=False)
+        (10, 4)
+        """
+        if num_tokens <= 0:
+            return 0
+        pages = cdiv(num_tokens, self.block_size)
+        if not self._windowed:
+            return len(self.groups) * pages
+        decode = self._caps(self.decode_in_flight_tokens)
+        if started:
+            caps = decode
+        else:
+            prompt_pages = cdiv(prompt, self.block_size)
+            prefill = self._caps(max(1, min(prompt, self.max_in_flight_tokens)))
+            caps = tuple(
+                None if d is None or p is None else max(d, min(prompt_pages, p))
+                for d, p in zip(decode, prefill, strict=True)
+            )
+        return sum(pages if cap is None else min(pages, cap) for cap in caps)
+
+    def window_caps(
+        self, prompt: npt.NDArray[np.int64], started: bool | npt.NDArray[np.bool_]
+    ) -> tuple[npt.NDArray[np.int64] | None, ...]:
+        """Per group, each sequence's cap as :meth:`blocks_held` takes it (None: no cap)."""
+        size, longest = self.block_size, self.max_model_len
+        prompt_pages = (prompt + size - 1) // size
+        in_flight = np.maximum(1, np.minimum(prompt, self.max_in_flight_tokens))
+        out: list[npt.NDArray[np.int64] | None] = []
+        for g in self.groups:
+            if g.sliding_window is None:
+                out.append(None)
                 continue
-            held = min(group.sliding_window - 1 + self.max_in_flight_tokens, self.max_model_len)
-            caps.append(cdiv(held, self.block_size) + 1)
-        return tuple(caps)
+            decode = cdiv(min(g.sliding_window - 1 + self.decode_in_flight_tokens, longest), size)
+            prefill = (np.minimum(g.sliding_window - 1 + in_flight, longest) + size - 1) // size
+            unstarted = np.maximum(decode + 1, np.minimum(prompt_pages, prefill + 1))
+            out.append(np.where(started, decode + 1, unstarted).astype(np.int64))
+        return tuple(out)
+
+    @functools.cached_property
+    def _windowed(self) -> bool:
+        return any(g.sliding_window is not None for g in self.groups)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Pool blocks a request holds at ``num_tokens`` tokens (prompt + generated)."""
@@ -616,24 +683,3 @@ def kv_cache_memory_bytes(
             f" - {weights_gib} GiB of weights = {available:.2f} GiB"
         )
     return math.floor(available * GIB)
-
-
-@dataclass(frozen=True)
-class UniformBlocks:
-    """Block math without a model config: every layer holds every token (full attention).
-
-    Exact in block units for any full-attention model, since vLLM's pool block is then one
-    page of every layer; ``bytes_per_block`` comes from elsewhere (vLLM's reported KV memory over
-    its block count) and may be unknown.
-    """
-
-    block_size: int
-    bytes_per_block: int | None = None
-
-    @property
-    def group_caps(self) -> tuple[int | None, ...]:
-        return (None,)
-
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        # ceil, inlined (called several times per admission decision)
-        return -(-num_tokens // self.block_size) if num_tokens > 0 else 0

@@ -181,7 +181,7 @@ class Ledger:
         :meth:`reserve` would add, for :meth:`trajectories` to weigh."""
         reserved_ends = tuple(projection.max_tokens if ends is None else ends)
         reserved = projection.n * sum(
-            self.blocks.blocks_for_tokens(p + e)
+            self.blocks.blocks_held(p + e, p, started=False)
             for p, e in zip(projection.prompt_tokens, reserved_ends, strict=True)
         )
         return Reservation(

@@ -61,11 +61,13 @@ class Projection:
 
     def blocks_at(self, generated_per_sequence: int, blocks: BlockMath) -> int:
         """Blocks held when each sequence has generated ``generated_per_sequence`` tokens."""
+        started = generated_per_sequence > 0  # before its first token it is prefilling
         if len(self.prompt_tokens) == 1:  # the common case, once per token of every stream
+            prompt = self.prompt_tokens[0]
             grown = min(generated_per_sequence, self.max_tokens[0])
-            return self.n * blocks.blocks_for_tokens(self.prompt_tokens[0] + grown)
+            return self.n * blocks.blocks_held(prompt + grown, prompt, started=started)
         return self.n * sum(
-            blocks.blocks_for_tokens(p + min(generated_per_sequence, m))
+            blocks.blocks_held(p + min(generated_per_sequence, m), p, started=started)
             for p, m in zip(self.prompt_tokens, self.max_tokens, strict=True)
         )
 
@@ -140,8 +142,10 @@ def project_counts(
             limits = (max_model_len - count, resolved_max_tokens[len(effective)])
         effective.append(min(v for v in limits if v is not None))
         counts.append(count)
-    prompt_blocks = n * sum(blocks.blocks_for_tokens(c) for c in counts)
-    peaks = [blocks.blocks_for_tokens(c + m) for c, m in zip(counts, effective, strict=True)]
+    prompt_blocks = n * sum(blocks.blocks_held(c, c, started=False) for c in counts)
+    peaks = [
+        blocks.blocks_held(c + m, c, started=False) for c, m in zip(counts, effective, strict=True)
+    ]
     return Projection(
         tuple(counts),
         tuple(effective),

@@ -142,7 +142,8 @@ def spread_peak(
     # sizes at each interval's end: tokens held then (capped at the answer's max_tokens)
     out_tokens = np.minimum(done[:, None] + stops[None, :], rows.max_end[:, None])
     out_tokens = np.where(spread[:, None], out_tokens, np.minimum(out_tokens, end[:, None]))
-    size = _blocks(rows.prompt[:, None] + out_tokens, blocks).astype(np.float64)
+    caps = [c if c is None else c[:, None] for c in blocks.window_caps(rows.prompt, started)]
+    size = _blocks(rows.prompt[:, None] + out_tokens, blocks, caps).astype(np.float64)
     # alive at each interval's start
     alive = np.zeros((n, len(starts)), dtype=np.float64)
     fixed = ~spread

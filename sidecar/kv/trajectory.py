@@ -70,12 +70,15 @@ class Trajectory:
         return max(0, self.end - self.generated)
 
 
-def _blocks(tokens: IntArray, blocks: BlockMath) -> IntArray:
-    """Vectorised ``blocks.blocks_for_tokens``."""
+def _blocks(
+    tokens: IntArray, blocks: BlockMath, caps: Sequence[IntArray | int | None] | None = None
+) -> IntArray:
+    """Vectorised ``blocks.blocks_for_tokens``, or ``blocks.blocks_held`` with ``caps`` from
+    ``blocks.window_caps`` (broadcast against ``tokens``)."""
     size = blocks.block_size
     pages = np.where(tokens > 0, (tokens + size - 1) // size, 0)
     total = np.zeros_like(pages)
-    for cap in blocks.group_caps:
+    for cap in blocks.group_caps if caps is None else caps:
         total += pages if cap is None else np.minimum(pages, cap)
     return total
 
@@ -325,21 +328,26 @@ def _profile_uncapped(arrays: Arrays, size: int, groups: int) -> tuple[IntArray,
 def _profile_matrix(arrays: Arrays, blocks: BlockMath) -> tuple[IntArray, IntArray]:
     held, left, weight, wshared, prompt, end, w_weight, w_wshared = arrays
     steps = np.unique(left)  # sorted
-    # started sequences still running at each step (left >= step), at their size then
+    # started sequences still running at each step (left >= step), at their size then (a
+    # sliding-window group's as they decode; one not started, the most its prefill holds)
+    decoding = blocks.window_caps(held, True)
     grid_tokens = held[None, :] + steps[:, None]
     alive = left[None, :] >= steps[:, None]
     started_part = (
-        np.where(alive, _blocks(grid_tokens, blocks) * weight[None, :] - wshared[None, :], 0)
+        np.where(
+            alive, _blocks(grid_tokens, blocks, decoding) * weight[None, :] - wshared[None, :], 0
+        )
         .sum(axis=1)
         .astype(np.int64)
     )
+    prefilling = blocks.window_caps(prompt, False)
     waiting_tokens = prompt[None, :] + np.minimum(steps[:, None], end[None, :])
     waiting_part = (
-        (_blocks(waiting_tokens, blocks) * w_weight[None, :] - w_wshared[None, :])
+        (_blocks(waiting_tokens, blocks, prefilling) * w_weight[None, :] - w_wshared[None, :])
         .sum(axis=1)
         .astype(np.int64)
     )
-    after = int((_blocks(prompt + end, blocks) * w_weight - w_wshared).sum())
+    after = int((_blocks(prompt + end, blocks, prefilling) * w_weight - w_wshared).sum())
     return (
         np.append(steps, -1).astype(np.int64),
         np.append(started_part + waiting_part, after).astype(np.int64),
