@@ -7,6 +7,7 @@ real vLLM has real token counts, real KV blocks, real preemptions and real metri
 Two steps, so that what needs no torch never waits for the vLLM environment:
 
     python harness/tiny_model.py config DIR    # tokenizer, config.json, generation_config.json
+    python harness/tiny_model.py slide DIR     # config.json: the sliding-window variant
     python harness/tiny_model.py weights DIR   # model.safetensors for DIR's config.json
 
 ``config`` needs only ``tokenizers`` and ``transformers`` (the sidecar's own dependencies: the
@@ -141,16 +142,37 @@ def build_config(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+#: the sliding-window variant (``harness.vllm_cpu.ensure_model(sliding=True)``): the same
+#: tokenizer and layers as a Mistral model whose every layer attends to the last 256 tokens
+SLIDING = dict(
+    model_type="mistral",
+    architectures=["MistralForCausalLM"],
+    sliding_window=256,
+    max_position_embeddings=4096,
+)
+
+
+def slide(model_dir: Path) -> None:
+    """Turn ``model_dir``'s config (written by ``config``) into the sliding-window variant's."""
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(SLIDING)
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def build_weights(model_dir: Path) -> None:
     """Random bf16 weights for ``model_dir/config.json``; nothing else in the directory changes."""
     import tempfile
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig.from_pretrained(model_dir)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if json.loads((model_dir / "config.json").read_text()).get("model_type") == "mistral":
+        model: Any = MistralForCausalLM(MistralConfig.from_pretrained(model_dir))  # sliding
+    else:
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
+    model = model.to(torch.bfloat16)
     with tempfile.TemporaryDirectory(dir=model_dir.parent) as scratch:
         model.save_pretrained(scratch, safe_serialization=True)
         written = sorted(Path(scratch).glob("model*.safetensors*"))
@@ -161,8 +183,8 @@ def build_weights(model_dir: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("config", "weights"):
-        print("usage: tiny_model.py {config|weights} DIR", file=sys.stderr)
+    if len(argv) != 2 or argv[0] not in ("config", "weights", "slide"):
+        print("usage: tiny_model.py {config|slide|weights} DIR", file=sys.stderr)
         return 2
     out = Path(argv[1])
     if argv[0] == "config":
@@ -170,6 +192,9 @@ def main(argv: list[str]) -> int:
         build_tokenizer(out)
         build_config(out)
         print(f"tokenizer and config written to {out}")
+    elif argv[0] == "slide":
+        slide(out)
+        print(f"sliding-window config written to {out}")
     else:
         build_weights(out)
         print(f"weights written to {out}")

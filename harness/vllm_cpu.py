@@ -162,9 +162,11 @@ def ensure_tokenizer_model() -> Path:
     return out
 
 
-def ensure_model() -> Path:
-    """The tiny model with its weights (for a real vLLM); installs the vLLM venv when missing."""
-    out = CACHE / "models" / f"tiny-{_generator_digest()}"
+def ensure_model(*, sliding: bool = False) -> Path:
+    """The tiny model with its weights (for a real vLLM); installs the vLLM venv when missing.
+    ``sliding``: its sliding-window variant (``tiny_model.SLIDING``: Mistral-shaped, every layer
+    attending to the last 256 tokens, a 4k context), with the same tokenizer."""
+    out = CACHE / "models" / f"tiny-{_generator_digest()}{'-sliding' if sliding else ''}"
     if (out / "config.json").exists():  # renamed into place whole: present means complete
         return out
     _refuse_without_vllm("ensure_model() (the weights)")
@@ -176,6 +178,8 @@ def ensure_model() -> Path:
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(light, tmp)
+            if sliding:
+                _generate(sys.executable, "slide", tmp)
             _generate(str(python), "weights", tmp)
             tmp.rename(out)
     return out
