@@ -121,6 +121,8 @@ ENGINES = {
     "70b": Engine(
         "70b", "Llama-3.1-70B-Instruct on 8 H100 80 GB (TP 8)", "llama-3.1-70b-instruct", tp=8
     ),
+    # every layer slides over the last 4,096 tokens: vLLM frees what leaves the window
+    "mistral": Engine("mistral", "Mistral-7B-v0.1 on one H100 80 GB", "mistral-7b-v0.1"),
 }
 
 
