@@ -139,3 +139,51 @@ def test_the_fast_profile_equals_the_plain_one(trajectories: list[Trajectory], s
     plain_steps, plain = _profile_matrix(arrays, blocks)
     assert fast_steps.tolist() == plain_steps.tolist()
     assert fast.tolist() == plain.tolist()
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(trajectory, max_size=14),
+    st.sampled_from([16, 32]),
+    st.sampled_from([16, 64, 100, 256]),
+    st.sampled_from([None, ["sliding_attention", "full_attention"]]),
+    st.sampled_from([16, 64, 2048]),
+)
+def test_the_capped_profile_equals_the_plain_one(
+    trajectories: list[Trajectory],
+    size: int,
+    window: int,
+    layer_types: list[str] | None,
+    batched: int,
+) -> None:
+    """Sliding-window groups take the per-group split path; it must give the matrix path's
+    figures, every sequence capped as ``KVGeometry.blocks_held`` caps it."""
+    from sidecar.kv.trajectory import Columns, _profile_capped, _profile_matrix
+
+    cfg: dict[str, object] = {
+        "model_type": "mistral",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 256,
+        "torch_dtype": "bfloat16",
+        "sliding_window": window,
+    }
+    if layer_types is not None:
+        cfg["layer_types"] = layer_types
+    geo = KVGeometry.build(
+        ModelKV.from_config(cfg),
+        block_size=size,
+        max_model_len=8192,
+        max_num_batched_tokens=batched,
+        max_concurrent_batches=2,
+    )
+    shared = [
+        Trajectory(t.prompt_tokens, t.generated, t.end, t.started, t.sequences, i % 2)
+        for i, t in enumerate(trajectories)
+    ]
+    arrays = Columns(shared).arrays()
+    fast_steps, fast = _profile_capped(arrays, geo)
+    plain_steps, plain = _profile_matrix(arrays, geo)
+    assert fast_steps.tolist() == plain_steps.tolist()
+    assert fast.tolist() == plain.tolist()

@@ -43,7 +43,7 @@ from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
 from sidecar.kv.rows import Bound, Profile, Rows
 from sidecar.kv.spread import SpreadRows
-from sidecar.kv.trajectory import ArrayColumns, Columns, future_peak
+from sidecar.kv.trajectory import ArrayColumns, Columns
 
 _NEVER = math.inf  # the remaining steps of a sequence not started yet: it may start any time
 
@@ -452,8 +452,6 @@ class Ledger:
         prompt blocks only among themselves (an upper bound where they share with requests in
         flight)."""
         ends = None if likely is None else likely_end(likely)
-        if not self._uncapped:
-            return self.trajectories(extra, likely_end=ends)
         arrays, gone = self._rows.retry_arrays(self.blocks, likely, share=self.share_prefixes)
         if not extra:
             return ArrayColumns(arrays, gone)
@@ -509,8 +507,6 @@ class Ledger:
         """The most blocks the requests in flight and ``extra`` (candidates, not started) can
         hold at once from now: :func:`sidecar.kv.trajectory.future_peak` of
         :meth:`trajectories`, from the columns the ledger keeps."""
-        if not self._uncapped:  # sliding-window groups: the matrix path over laid-out columns
-            return future_peak(self.trajectories(extra, worst_case=worst_case), self.blocks)
         profile = self.profile(worst_case=worst_case)
         if not extra:
             return profile.peak

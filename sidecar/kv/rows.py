@@ -326,7 +326,8 @@ class Profile:
     def peak_with(
         self, candidates: Iterable[Reservation], blocks: BlockMath, *, worst_case: bool = False
     ) -> int:
-        """The peak with ``candidates`` added, unstarted (uncapped geometry only)."""
+        """The peak with ``candidates`` added, unstarted (a sliding-window group's pages capped
+        as ``blocks.blocks_held`` caps an unstarted sequence's)."""
         total = self.values.copy()
         steps = self.steps[:-1]
         size = blocks.block_size
@@ -343,11 +344,12 @@ class Profile:
                     tokens //= size
                     grown = tokens
                 else:
-                    grown = _blocks(tokens, blocks)
+                    caps = blocks.window_caps(np.array([prompt], dtype=np.int64), False)
+                    grown = _blocks(tokens, blocks, caps)
                 if p.n != 1:
                     grown *= p.n
                 total[:-1] += grown
-                total[-1] += p.n * blocks.blocks_for_tokens(prompt + end)
+                total[-1] += p.n * blocks.blocks_held(prompt + end, prompt, started=False)
                 if self.owners is None or cand.prefix is None:
                     continue
                 hashes = cand.prefix[i]

@@ -226,10 +226,79 @@ def demand_profile(
     return _profile(_columns(trajectories).arrays(), blocks)
 
 
+#: sequences x steps up to which the plain matrix is the quicker way to a capped profile
+#: (``/work``-style check: 0.16 against 0.32 ms at 50 sequences, 5.4 against 1.1 ms at 500)
+MATRIX_CELLS = 4096
+
+
 def _profile(arrays: Arrays, blocks: BlockMath) -> tuple[IntArray, IntArray]:
     if all(cap is None for cap in blocks.group_caps):
         return _profile_uncapped(arrays, blocks.block_size, len(blocks.group_caps))
-    return _profile_matrix(arrays, blocks)
+    if len(arrays[0]) * (len(arrays[0]) + len(arrays[4])) <= MATRIX_CELLS:
+        return _profile_matrix(arrays, blocks)
+    return _profile_capped(arrays, blocks)
+
+
+def _before(ends: IntArray, values: IntArray, k: int) -> IntArray:
+    """``out[j]`` (``j < k``): the sum of ``values[i]`` over the items with ``ends[i] > j``."""
+    counts = np.bincount(ends, weights=values, minlength=k + 1)[: k + 1]
+    return _suffix(counts.round().astype(np.int64))[1 : k + 1]
+
+
+def _growing(
+    base: IntArray, weight: IntArray, ends: IntArray, steps: IntArray, size: int
+) -> IntArray:
+    """``out[j]``: the sum of ``weight * pages(base + steps[j])`` over the items with
+    ``ends > j`` (``pages(x) = q + tq + [r + tr >= size]``, as in :func:`_profile_uncapped`)."""
+    k = len(steps)
+    a = base + size - 1
+    tq, tr = steps // size, steps % size
+    order = np.argsort(ends, kind="stable")
+    cuts = np.searchsorted(ends[order], np.arange(k), side="right")  # the first with end > j
+    return (
+        _before(ends, weight * (a // size), k)
+        + tq * _before(ends, weight, k)
+        + _suffix_residue_counts((a % size)[order], weight[order], cuts, size - tr, size)
+    )
+
+
+def _profile_capped(arrays: Arrays, blocks: BlockMath) -> tuple[IntArray, IntArray]:
+    """:func:`_profile_matrix`'s figures in ``O(n log n + n * block_size)`` per KV-cache group:
+    a sequence's pages grow one a block of steps until its group's cap, and stay there. Each
+    sequence is split, per group, into the steps it grows (summed as :func:`_profile_uncapped`
+    sums) and the steps it sits at its cap (a constant over a range: a running sum)."""
+    held, left, weight, wshared, prompt, end, w_weight, w_wshared = arrays
+    size = blocks.block_size
+    steps = np.unique(left)  # sorted
+    k = len(steps)
+    values = np.zeros(k + 1, dtype=np.int64)  # at each step, then after every end
+    alive = np.searchsorted(steps, left, side="right")  # started: steps [0, alive) see it
+    values[:k] -= _before(alive, wshared, k)
+    for cap in blocks.window_caps(held, True):
+        if cap is None:
+            grows = alive
+        else:  # it grows while held + t < cap * size, then holds the cap until it ends
+            grows = np.minimum(alive, np.searchsorted(steps, cap * size - held, side="left"))
+            at_cap = weight * cap
+            flat = np.bincount(grows, at_cap, k + 1) - np.bincount(alive, at_cap, k + 1)
+            values[:k] += np.cumsum(flat)[:k].round().astype(np.int64)
+        values[:k] += _growing(held, weight, grows, steps, size)
+    # not started: grows from its prompt until its end or its cap, then holds that forever
+    for cap in blocks.window_caps(prompt, False):
+        top = _pages(prompt + end, size)
+        last = end
+        if cap is not None:
+            top = np.minimum(top, cap)
+            last = np.minimum(end, np.maximum(0, cap * size - prompt))
+        grows = np.searchsorted(steps, last, side="left")
+        values += np.cumsum(np.bincount(grows, w_weight * top, k + 1)).round().astype(np.int64)
+        values[:k] += _growing(prompt, w_weight, grows, steps, size)
+    values -= int(w_wshared.sum())
+    return np.append(steps, -1).astype(np.int64), values
+
+
+def _pages(tokens: IntArray, size: int) -> IntArray:
+    return np.where(tokens > 0, (tokens + size - 1) // size, 0)
 
 
 def _suffix_residue_counts(
@@ -326,6 +395,8 @@ def _profile_uncapped(arrays: Arrays, size: int, groups: int) -> tuple[IntArray,
 
 
 def _profile_matrix(arrays: Arrays, blocks: BlockMath) -> tuple[IntArray, IntArray]:
+    """The demand profile as its definition reads, one step by one sequence (``O(n^2)``): the
+    figures the fast paths are checked against (tests/test_trajectory.py)."""
     held, left, weight, wshared, prompt, end, w_weight, w_wshared = arrays
     steps = np.unique(left)  # sorted
     # started sequences still running at each step (left >= step), at their size then (a
