@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import gc
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -180,6 +181,57 @@ def bench_exact_after_change() -> list[float]:
         ledger.peak_with(candidate)
 
     return per_call(exact, repeat=7, number=200)
+
+
+#: GPT-OSS-20B's attention (openai/gpt-oss-20b's config.json): 24 layers alternating a
+#: 128-token sliding window with full attention, 8 KV heads of 64
+GPT_OSS_20B = {
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_size": 2880,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+
+
+def bench_exact_sliding(sequences: int = 500) -> list[float]:
+    """The exact peak after a request advanced, on a sliding-window model (GPT-OSS-20B's
+    geometry, blocks of 16, a 32k context) with ``sequences`` requests in flight, nine in ten
+    started: prompts of 200-6,000 tokens, max_tokens 100-4,000 (seeded)."""
+    from sidecar.kv.geometry import KVGeometry, ModelKV
+
+    geo = KVGeometry.build(ModelKV.from_config(GPT_OSS_20B), block_size=16, max_model_len=32768)
+    ledger = Ledger(geo, share_prefixes=False)
+    rng = random.Random(7)
+    for _ in range(sequences):
+        p = project_counts(
+            (rng.randint(200, 6000),),
+            requested_max_tokens=rng.randint(100, 4000),
+            n=1,
+            max_model_len=32768,
+            blocks=geo,
+        )
+        res = ledger.reserve(p, streamed=True)
+        if rng.random() < 0.9:
+            ledger.start(res)
+            ledger.advance(res, rng.randint(1, 90))
+    running = [r for r in ledger if r.started]
+    p = project_counts((1000,), requested_max_tokens=1000, n=1, max_model_len=32768, blocks=geo)
+    candidate = ledger.candidate(p, streamed=True)
+    turn = [0]
+
+    def exact() -> None:
+        res = running[turn[0] % len(running)]
+        turn[0] += 1
+        ledger.advance(res, res.generated + 1)
+        ledger.peak_with(candidate)
+
+    return per_call(exact, repeat=7, number=50)
 
 
 def bench_refusal() -> list[float]:
@@ -374,6 +426,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         (
             "  the same where the bounds do not settle it: the exact peak (profile rebuilt)",
             bench_exact_after_change(),
+            None,
+        ),
+        (
+            "  a sliding-window model (GPT-OSS-20B's geometry), 500 in flight: a request "
+            "advanced, then the exact peak",
+            bench_exact_sliding(),
             None,
         ),
         ("  near capacity, refused with Retry-After (`--policy reject`)", bench_refusal(), None),

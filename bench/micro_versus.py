@@ -1,6 +1,6 @@
 """The near-capacity decision rows of bench.micro on two checkouts, alternated in one run.
 
-``python -m bench.micro_versus OLD_TREE [ROUNDS]`` runs the four decision rows of
+``python -m bench.micro_versus OLD_TREE [ROUNDS]`` runs the five decision rows of
 :mod:`bench.micro` on this tree and on ``OLD_TREE`` (a ``git worktree`` of an earlier commit),
 one process each, ``ROUNDS`` rounds alternated (default 2), and prints and writes to
 ``bench/results/micro-versus.json`` every round's medians (CPU time per call, µs). The machine is
@@ -23,6 +23,7 @@ rows = {
     "unchanged": micro.bench_decision_near_capacity,
     "refused on the bounds": micro.bench_decision_near_capacity_changed,
     "admitted on the bounds": micro.bench_decision_admitted_on_bounds,
+    "sliding-window model, exact peak": micro.bench_exact_sliding,
 }
 print(json.dumps({k: statistics.median(f()) * 1e6 for k, f in rows.items()}))
 """
