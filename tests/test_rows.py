@@ -9,7 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.kv.geometry import UniformBlocks
+from sidecar.kv.blocks import BlockMath
+from sidecar.kv.geometry import KVGeometry, ModelKV, UniformBlocks
 from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import project_counts
 from sidecar.kv.trajectory import Trajectory, future_peak
@@ -33,6 +34,26 @@ class Groups:
 
     def window_caps(self, prompt: Any, started: Any) -> tuple[int | None, ...]:
         return self.group_caps
+
+
+def sliding(size: int) -> KVGeometry:
+    """A sliding-window layer (a 24-token window) beside a full one, in blocks of ``size``."""
+    cfg = {
+        "model_type": "gemma2",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 256,
+        "sliding_window": 24,
+        "torch_dtype": "bfloat16",
+    }
+    return KVGeometry.build(
+        ModelKV.from_config(cfg),
+        block_size=size,
+        max_model_len=4096,
+        max_num_batched_tokens=64,
+        max_concurrent_batches=2,
+    )
 
 
 #: chain hashes: a prompt's full blocks are a prefix of one of these chains (shared prefixes)
@@ -78,17 +99,21 @@ def _laid_out(ledger: Ledger, *extra: Reservation, worst_case: bool = False) -> 
     st.lists(request, max_size=10),
     st.lists(request, max_size=3),
     st.sampled_from([1, 4, 16]),
-    st.sampled_from([(None,), (None, None), (None, 3)]),
+    st.sampled_from([(None,), (None, None), (None, 3), "sliding"]),
     st.booleans(),
 )
 def test_the_kept_columns_give_the_laid_out_peak(
     specs: list[dict],
     candidates: list[dict],
     size: int,
-    caps: tuple[int | None, ...],
+    caps: tuple[int | None, ...] | str,
     share: bool,
 ) -> None:
-    blocks = UniformBlocks(size) if caps == (None,) else Groups(size, caps)
+    blocks: BlockMath
+    if caps == "sliding":  # a real geometry: a sequence's cap depends on its prompt and start
+        blocks = sliding(size)
+    else:
+        blocks = UniformBlocks(size) if caps == (None,) else Groups(size, caps)
     ledger = Ledger(blocks, share_prefixes=share)
     held = []
     for spec in specs:
