@@ -7,7 +7,7 @@ real vLLM has real token counts, real KV blocks, real preemptions and real metri
 Two steps, so that what needs no torch never waits for the vLLM environment:
 
     python harness/tiny_model.py config DIR    # tokenizer, config.json, generation_config.json
-    python harness/tiny_model.py slide DIR     # config.json: the sliding-window variant
+    python harness/tiny_model.py slide DIR V   # config.json: variant V (sliding, mixed)
     python harness/tiny_model.py weights DIR   # model.safetensors for DIR's config.json
 
 ``config`` needs only ``tokenizers`` and ``transformers`` (the sidecar's own dependencies: the
@@ -142,21 +142,37 @@ def build_config(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-#: the sliding-window variant (``harness.vllm_cpu.ensure_model(sliding=True)``): the same
-#: tokenizer and layers as a Mistral model whose every layer attends to the last 256 tokens
-SLIDING = dict(
-    model_type="mistral",
-    architectures=["MistralForCausalLM"],
-    sliding_window=256,
-    max_position_embeddings=4096,
-)
+#: the variants with sliding-window layers (``harness.vllm_cpu.ensure_model(variant=...)``), the
+#: same tokenizer and layer sizes: ``sliding``, a Mistral model whose every layer attends to the
+#: last 256 tokens; ``mixed``, a Gemma 2 model whose layers alternate such a window with full
+#: attention (vLLM's hybrid allocator: a sliding group and a full one)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "sliding": dict(
+        model_type="mistral",
+        architectures=["MistralForCausalLM"],
+        sliding_window=256,
+        max_position_embeddings=4096,
+    ),
+    "mixed": dict(
+        model_type="gemma2",
+        architectures=["Gemma2ForCausalLM"],
+        sliding_window=256,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+        query_pre_attn_scalar=64,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
+}
 
 
-def slide(model_dir: Path) -> None:
-    """Turn ``model_dir``'s config (written by ``config``) into the sliding-window variant's."""
+def slide(model_dir: Path, variant: str) -> None:
+    """Turn ``model_dir``'s config (written by ``config``) into ``variant``'s."""
     path = model_dir / "config.json"
     cfg = json.loads(path.read_text())
-    cfg.update(SLIDING)
+    cfg.update(VARIANTS[variant])
+    if variant == "mixed":
+        cfg.pop("hidden_act", None)  # Llama's name; Gemma 2 reads hidden_activation
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
@@ -165,11 +181,22 @@ def build_weights(model_dir: Path) -> None:
     import tempfile
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     torch.manual_seed(0)
-    if json.loads((model_dir / "config.json").read_text()).get("model_type") == "mistral":
-        model: Any = MistralForCausalLM(MistralConfig.from_pretrained(model_dir))  # sliding
+    kind = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    model: Any
+    if kind == "mistral":  # the variants
+        model = MistralForCausalLM(MistralConfig.from_pretrained(model_dir))
+    elif kind == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config.from_pretrained(model_dir))
     else:
         model = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
     model = model.to(torch.bfloat16)
@@ -183,8 +210,14 @@ def build_weights(model_dir: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("config", "weights", "slide"):
-        print("usage: tiny_model.py {config|slide|weights} DIR", file=sys.stderr)
+    if not (
+        (len(argv) == 2 and argv[0] in ("config", "weights"))
+        or (len(argv) == 3 and argv[0] == "slide" and argv[2] in VARIANTS)
+    ):
+        print(
+            f"usage: tiny_model.py {{config|weights}} DIR | slide DIR {{{'|'.join(VARIANTS)}}}",
+            file=sys.stderr,
+        )
         return 2
     out = Path(argv[1])
     if argv[0] == "config":
@@ -193,8 +226,8 @@ def main(argv: list[str]) -> int:
         build_config(out)
         print(f"tokenizer and config written to {out}")
     elif argv[0] == "slide":
-        slide(out)
-        print(f"sliding-window config written to {out}")
+        slide(out, argv[2])
+        print(f"the {argv[2]} variant's config written to {out}")
     else:
         build_weights(out)
         print(f"weights written to {out}")

@@ -127,10 +127,10 @@ def _generator_digest() -> str:
     return hashlib.sha256(_GENERATOR.read_bytes()).hexdigest()[:12]
 
 
-def _generate(python: str, step: str, directory: Path) -> None:
+def _generate(python: str, step: str, directory: Path, *more: str) -> None:
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [python, str(_GENERATOR), step, str(directory)],
+        [python, str(_GENERATOR), step, str(directory), *more],
         capture_output=True,
         text=True,
         env=env,
@@ -162,11 +162,12 @@ def ensure_tokenizer_model() -> Path:
     return out
 
 
-def ensure_model(*, sliding: bool = False) -> Path:
+def ensure_model(*, variant: str = "") -> Path:
     """The tiny model with its weights (for a real vLLM); installs the vLLM venv when missing.
-    ``sliding``: its sliding-window variant (``tiny_model.SLIDING``: Mistral-shaped, every layer
-    attending to the last 256 tokens, a 4k context), with the same tokenizer."""
-    out = CACHE / "models" / f"tiny-{_generator_digest()}{'-sliding' if sliding else ''}"
+    ``variant``: one with sliding-window layers and a 4k context, the same tokenizer
+    (``tiny_model.VARIANTS``: ``sliding``, Mistral-shaped, every layer a 256-token window;
+    ``mixed``, Gemma-2-shaped, a window and full attention alternating)."""
+    out = CACHE / "models" / f"tiny-{_generator_digest()}{'-' + variant if variant else ''}"
     if (out / "config.json").exists():  # renamed into place whole: present means complete
         return out
     _refuse_without_vllm("ensure_model() (the weights)")
@@ -178,8 +179,8 @@ def ensure_model(*, sliding: bool = False) -> Path:
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(light, tmp)
-            if sliding:
-                _generate(sys.executable, "slide", tmp)
+            if variant:
+                _generate(sys.executable, "slide", tmp, variant)
             _generate(str(python), "weights", tmp)
             tmp.rename(out)
     return out

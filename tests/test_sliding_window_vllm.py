@@ -1,13 +1,18 @@
-"""A sliding-window model on the real vLLM: the sidecar counts the blocks vLLM holds for it.
+"""Sliding-window models on the real vLLM: the sidecar counts the blocks vLLM holds for them.
 
-The model is the harness's tiny one made Mistral-shaped (``harness.tiny_model.SLIDING``: every
-layer attends to the last 256 tokens), served with blocks of 32 tokens, a 4k context and 200
-blocks. vLLM frees the blocks that fall out of a sequence's window as it goes
-(``SlidingWindowManager.remove_skipped_blocks``): a sequence holds its prompt's blocks while it
-prefills, then the window and the tokens in flight, 9-10 blocks, however long it runs. Until
-this test's change the sidecar counted such a sequence at ``ceil((prompt + generated) / 32)``
-blocks and reserved it to its end: 113 blocks for a 600-token prompt and 3,000 tokens of answer,
-so worst-case mode ran one of these at a time where vLLM holds four in 40 blocks.
+Two variants of the harness's tiny model (``harness.tiny_model.VARIANTS``), each served with
+blocks of 32 tokens, a 4k context and 400 blocks: ``sliding``, Mistral-shaped, every layer
+attending to the last 256 tokens; ``mixed``, Gemma-2-shaped, a 256-token window and full
+attention alternating (vLLM's hybrid allocator: a block holds a page of one group, and a
+request takes blocks from both). vLLM frees the blocks that fall out of a sequence's window as it
+goes (``SlidingWindowManager.remove_skipped_blocks``): a sliding group holds a sequence's
+prompt's blocks while it prefills, then the window and the tokens in flight, 9-10 blocks,
+however long it runs; a full group, every token's. Until this test's change the sidecar counted
+the sliding group like a full one (its cap, the window plus a whole step's chunk, is above
+these lengths): 113 blocks for a 600-token prompt and 3,000 tokens of answer, so with that
+counting worst-case mode admits three of the ``sliding`` variant's four answers at once (vLLM
+holds all four in 40 blocks) and one of the ``mixed`` variant's where two fit (checked with the
+change reverted: both fail their first assertion).
 
 The engine is stopped (``frozen_engine``) while the sidecar decides and while its prediction is
 read, so what is compared does not depend on how fast this host decodes.
@@ -17,7 +22,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -38,17 +44,22 @@ REQUESTS = 4
 BLOCK = 32
 
 
-@pytest.fixture(scope="module")
-def sliding_vllm() -> Iterator[VllmInfo]:
+POOL = 400
+#: per variant: (full-attention groups, sliding groups) of the hybrid allocator
+GROUPS = {"sliding": (0, 1), "mixed": (1, 1)}
+
+
+@pytest.fixture(scope="module", params=sorted(GROUPS))
+def sliding_vllm(request: pytest.FixtureRequest) -> Iterator[tuple[str, VllmInfo]]:
     server = VllmServer(
-        num_gpu_blocks=200,
+        num_gpu_blocks=POOL,
         max_model_len=4096,
-        model_dir=ensure_model(sliding=True),
-        served_name="tiny-sliding",
+        model_dir=ensure_model(variant=request.param),
+        served_name=f"tiny-{request.param}",
         extra_args=["--block-size", str(BLOCK)],
     )
     with server:
-        yield server.info()
+        yield request.param, server.info()
 
 
 @dataclass
@@ -82,13 +93,17 @@ class Stream:
             self.error = exc
 
 
-def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(sliding_vllm: VllmInfo) -> None:
+def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(
+    sliding_vllm: tuple[str, VllmInfo],
+) -> None:
     """Four 600-token prompts with 3,000 tokens to generate each, through worst-case mode:
-    all four are admitted at once (each reserved at its prefill's 19 blocks, not the 113 of its
-    whole length); with all four decoding past their windows, the sidecar's prediction is what
-    vLLM reports holding to within a block per request, never below it; every answer completes
-    in full and vLLM preempts nothing."""
-    vllm = sliding_vllm
+    each is reserved at its whole length in the full group and at its prefill's 19 blocks in
+    the sliding one (not 113), and as many are admitted at once as the budget holds so (all
+    four on ``sliding``, two on ``mixed``); with those decoding past their windows, the
+    sidecar's prediction is what vLLM reports holding to within a block per request, never
+    below it; every answer completes in full and vLLM preempts nothing."""
+    variant, vllm = sliding_vllm
+    full, sliding = GROUPS[variant]
     assert vllm.model_dir is not None and vllm.block_size == BLOCK
     before = idle_preemptions(vllm.url)
     prompts = make_prompts(vllm.model_dir, REQUESTS, PROMPT_TOKENS, seed=5)
@@ -103,37 +118,59 @@ def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(sliding_vllm: V
         }
         for prompt in prompts
     ]
+    each = full * -(-(PROMPT_TOKENS + MAX_TOKENS) // BLOCK) + sliding * -(-PROMPT_TOKENS // BLOCK)
     with SidecarProcess(vllm.url, "--reservation", "worst-case", "--policy", "queue") as sc:
         with frozen_engine(vllm):
             streams = [Stream(sc.url, body) for body in bodies]
             state = admitted(sc, REQUESTS)
-        assert (state["in_flight"], state["queue_depth"]) == (REQUESTS, 0), state
-        assert state["reserved_blocks"] == REQUESTS * -(-PROMPT_TOKENS // BLOCK), state
-        # every answer decoding, its prompt's blocks out of its window: what each holds no
-        # longer grows (the engine decodes thousands of tokens a second: read it stopped)
+        fits = min(REQUESTS, state["budget_blocks"] // each)
+        assert fits == {"sliding": 4, "mixed": 2}[variant], (each, state)
+        assert (state["in_flight"], state["queue_depth"]) == (fits, REQUESTS - fits), state
+        assert state["reserved_blocks"] == fits * each, state
+        # the first answers decoding, their prompts' blocks out of their windows, none ended:
+        # what each holds in a sliding group no longer grows (the engine decodes thousands of
+        # tokens a second: read it stopped)
         wait_for(
-            lambda: all(s.tokens >= 100 or s.error for s in streams),
-            "every stream 100 tokens in",
+            lambda: (
+                sum(100 <= s.tokens < MAX_TOKENS for s in streams) == fits
+                or any(s.error for s in streams)
+            ),
+            f"{fits} streams 100 tokens in",
             within=300,
         )
         with frozen_engine(vllm):
             running = _metric(vllm.url, "vllm:num_requests_running")
-            held = round(_metric(vllm.url, "vllm:kv_cache_usage_perc") * (vllm.num_gpu_blocks - 1))
-            # the sidecar's own scrape of the stopped engine agrees, then its prediction
+            held = round(_metric(vllm.url, "vllm:kv_cache_usage_perc") * (POOL - 1))
+            # the sidecar's own scrape of the stopped engine agrees, then its prediction, once
+            # the streams have relayed what vLLM made before it stopped
             wait_for(
                 lambda: sc.state()["actual_blocks"] == held, f"a scrape of {held} blocks", within=30
             )
+            seen = until_steady(lambda: [s.tokens for s in streams])
             state = sc.state()
         for s in streams:
             s.thread.join(timeout=600)
         text = sc.metrics()
     assert [(s.error, s.status, s.tokens) for s in streams] == [(None, 200, MAX_TOKENS)] * REQUESTS
-    assert running == REQUESTS  # the prediction was read with all four decoding
-    assert 0 < held <= REQUESTS * (-(-(256 + 2) // BLOCK) + 1), held  # the window, not the length
-    assert 0 <= state["predicted_blocks"] - held <= REQUESTS, state
+    assert running == fits, seen  # the prediction was read with those decoding
+    window = -(-(256 + 2) // BLOCK) + 1  # the window and the tokens in flight, and the offset
+    assert 0 < held <= fits * (sliding * window + full * -(-(PROMPT_TOKENS + max(seen)) // BLOCK))
+    assert 0 <= state["predicted_blocks"] - held <= fits, (state, held, seen)
     queued = metric_value(text, "kv_sidecar_requests_total", decision="admit", reason="queued")
-    assert not queued, queued
+    assert (queued or 0) == REQUESTS - fits, queued
     assert idle_preemptions(vllm.url) == before
+
+
+def until_steady(read: Callable[[], list[int]], quiet: float = 1.0) -> list[int]:
+    """``read()`` once it has not changed for ``quiet`` seconds (at most 30 s)."""
+    last, since, deadline = read(), time.monotonic(), time.monotonic() + 30
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, f"still changing: {last}"
+        time.sleep(0.1)
+        now = read()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
 
 
 def _metric(url: str, name: str) -> float:
