@@ -27,7 +27,7 @@ from sidecar.config import Policy
 from sidecar.engine.discovery import EngineConfig
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
-from sidecar.kv.ledger import Ledger
+from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import project_counts
 from sidecar.observability.exporter import Metrics
 
@@ -171,7 +171,13 @@ def bench_exact_after_change() -> list[float]:
     ledger = ac.ledger
     running = list(ledger)
     p = project_counts((731,), requested_max_tokens=512, n=1, max_model_len=8192, blocks=BLOCKS)
-    candidate = ledger.candidate(p, streamed=True)
+    return _advance_then_peak(ledger, running, ledger.candidate(p, streamed=True), number=200)
+
+
+def _advance_then_peak(
+    ledger: Ledger, running: list[Reservation], candidate: Reservation, *, number: int
+) -> list[float]:
+    """Per call: one of ``running`` advanced a token, then ``candidate``'s exact peak."""
     turn = [0]
 
     def exact() -> None:
@@ -180,7 +186,7 @@ def bench_exact_after_change() -> list[float]:
         ledger.advance(res, res.generated + 1)
         ledger.peak_with(candidate)
 
-    return per_call(exact, repeat=7, number=200)
+    return per_call(exact, repeat=7, number=number)
 
 
 #: GPT-OSS-20B's attention (openai/gpt-oss-20b's config.json): 24 layers alternating a
@@ -222,16 +228,7 @@ def bench_exact_sliding(sequences: int = 500) -> list[float]:
             ledger.advance(res, rng.randint(1, 90))
     running = [r for r in ledger if r.started]
     p = project_counts((1000,), requested_max_tokens=1000, n=1, max_model_len=32768, blocks=geo)
-    candidate = ledger.candidate(p, streamed=True)
-    turn = [0]
-
-    def exact() -> None:
-        res = running[turn[0] % len(running)]
-        turn[0] += 1
-        ledger.advance(res, res.generated + 1)
-        ledger.peak_with(candidate)
-
-    return per_call(exact, repeat=7, number=50)
+    return _advance_then_peak(ledger, running, ledger.candidate(p, streamed=True), number=50)
 
 
 def bench_refusal() -> list[float]:
