@@ -207,6 +207,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=max_model_len,
         max_num_batched_tokens=batched_tokens,
         max_concurrent_batches=args.max_concurrent_batches,
+        mamba_cache_mode="align",  # a hybrid model's state under prefix caching, vLLM's default
     )
     out: dict[str, Any] = {
         "architecture": model.architecture,
@@ -216,6 +217,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "kv_heads_per_rank": model.kv_heads_per_rank,
         "head_size": model.head_size,
         "sliding_windows": list(model.sliding_windows),
+        "state_layers": model.state_layers,
         "kv_cache_groups": len(geo.groups),
         "model_dtype": model.model_dtype,
         "kv_cache_dtype": model.kv_cache_dtype,
@@ -288,6 +290,7 @@ def _render_table(p: dict[str, Any]) -> str:
         ("attention", f"{p['attention']}, {p['layers_per_rank']} layers per rank"),
         ("KV heads per rank x head size", f"{p['kv_heads_per_rank']} x {p['head_size']}"),
         ("sliding windows", ", ".join(map(str, p["sliding_windows"])) or "none"),
+        ("recurrent-state layers", str(p["state_layers"])),
         ("KV cache groups", str(p["kv_cache_groups"])),
         (
             "dtype (model / KV cache)",

@@ -112,7 +112,12 @@ async def discover(
             kv = ModelKV.from_config(
                 load_config(model_dir), kv_cache_dtype=snap.cache_dtype or "auto"
             )
-            geometry = KVGeometry.build(kv, block_size=snap.block_size, max_model_len=context)
+            geometry = KVGeometry.build(
+                kv,
+                block_size=snap.block_size,
+                max_model_len=context,
+                mamba_cache_mode=snap.mamba_cache_mode,
+            )
         except GeometryError as exc:
             if model_config_path is not None:
                 raise ConfigError(f"--model-config: {exc}") from None

@@ -169,6 +169,9 @@ class EngineSnapshot:
     admission_rejections: tuple[tuple[str, float], ...] = ()
     engine: str = ""  # vLLM's ``engine`` label, in a per-engine snapshot
     per_engine: tuple[EngineSnapshot, ...] = ()  # data parallel: one per engine, in rank order
+    #: ``cache_config_info``'s ``mamba_cache_mode`` (``none``, ``align``): how a hybrid model's
+    #: recurrent-state layers hold blocks (``KVGeometry.build``); None where vLLM does not say
+    mamba_cache_mode: str | None = None
 
     @property
     def pools(self) -> tuple[EngineSnapshot, ...]:
@@ -298,6 +301,7 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         prompt_tokens_total=_total(by_name, _PROMPT_TOKENS),
         prompt_tokens_cached=_total(by_name, _PROMPT_CACHED),
         cache_dtype=_label_str(first_config, "cache_dtype"),
+        mamba_cache_mode=_label_str(first_config, "mamba_cache_mode"),
         prefix_caching=_label_bool(first_config, "enable_prefix_caching"),
         kv_cache_memory_bytes=_label_int(first_config, "kv_cache_memory_bytes"),
         has_cache_config=bool(config),
@@ -352,6 +356,7 @@ def _engine_snapshot(
         prompt_tokens_total=value(_PROMPT_TOKENS),
         prompt_tokens_cached=value(_PROMPT_CACHED),
         cache_dtype=_label_str(config, "cache_dtype"),
+        mamba_cache_mode=_label_str(config, "mamba_cache_mode"),
         prefix_caching=_label_bool(config, "enable_prefix_caching"),
         kv_cache_memory_bytes=_label_int(config, "kv_cache_memory_bytes"),
         has_cache_config=bool(config),

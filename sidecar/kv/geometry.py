@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from sidecar.errors import GeometryError
 from sidecar.kv.blocks import UniformBlocks as UniformBlocks  # where callers found it first
+from sidecar.kv.layers import STATE, layer_windows
 
 GIB = 1 << 30
 
@@ -119,8 +120,6 @@ _UNSCALED_ROPE = frozenset(
 #: Keys under which multimodal configs nest their language model.
 _TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
 
 #: vLLM's default ``--max-num-batched-tokens`` for the OpenAI server on a GPU.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -196,64 +195,6 @@ def _model_dtype(cfg: Mapping[str, Any], override: str | None) -> str:
     if name not in MODEL_DTYPE_BYTES:
         raise GeometryError(f"unknown model dtype '{raw}'")
     return "bfloat16" if MODEL_DTYPE_BYTES[name] == 4 else name
-
-
-def _layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None for full attention), following the model's config."""
-    window = cfg.get("sliding_window")
-    if cfg.get("use_sliding_window") is False:
-        # Qwen2/Qwen3 ship a sliding_window value that is off unless use_sliding_window is set.
-        window = None
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-            raise GeometryError(f"'sliding_window' must be a positive integer, got {window!r}")
-
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        model_type = str(cfg.get("model_type", ""))
-        pattern = cfg.get("sliding_window_pattern")
-        if window is None:
-            layer_types = [FULL_ATTENTION] * num_layers
-        elif model_type.startswith("gemma2"):
-            layer_types = [
-                SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)
-            ]
-        elif isinstance(pattern, int) and pattern > 0:  # Gemma 3: (pattern - 1) local : 1 global
-            layer_types = [
-                SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
-                for i in range(num_layers)
-            ]
-        elif model_type.startswith("gpt_oss"):
-            layer_types = [
-                SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
-            ]
-        elif "max_window_layers" in cfg and model_type.startswith("qwen"):
-            first = int(cfg["max_window_layers"])
-            layer_types = [
-                SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)
-            ]
-        else:  # Mistral style: every layer slides.
-            layer_types = [SLIDING_ATTENTION] * num_layers
-    if not isinstance(layer_types, Sequence) or isinstance(layer_types, str):
-        raise GeometryError("'layer_types' must be a list of attention types")
-    if len(layer_types) < num_layers:
-        raise GeometryError(
-            f"'layer_types' lists {len(layer_types)} layers, the model has {num_layers}"
-        )
-    windows: list[int | None] = []
-    for kind in layer_types[:num_layers]:
-        if kind == FULL_ATTENTION:
-            windows.append(None)
-        elif kind == SLIDING_ATTENTION:
-            if window is None:
-                raise GeometryError("'layer_types' has sliding layers but no 'sliding_window'")
-            windows.append(window)
-        else:
-            raise GeometryError(
-                f"unsupported attention type {kind!r} in 'layer_types' "
-                f"(supported: {FULL_ATTENTION}, {SLIDING_ATTENTION})"
-            )
-    return tuple(windows)
 
 
 def derived_max_model_len_and_key(
@@ -417,12 +358,12 @@ class ModelKV:
             known = ", ".join(["auto", *CACHE_DTYPE_BYTES, "fp8_ds_mla"])
             raise GeometryError(f"unknown kv cache dtype '{kv_cache_dtype}' (known: {known})")
 
-        windows = _layer_windows(cfg, num_layers)
-        if is_mla and any(w is not None for w in windows):
-            windows = tuple(None for _ in windows)  # MLA models here have no sliding layers
+        windows = layer_windows(cfg, num_layers)
+        if is_mla:  # MLA models here have no sliding layers
+            windows = tuple(w if w == STATE else None for w in windows)
         # This rank holds the largest pipeline stage: it has the fewest blocks, so it binds.
         start, end = max(
-            pp_partition(num_layers, pipeline_parallel_size), key=lambda r: r[1] - r[0]
+            pp_partition(len(windows), pipeline_parallel_size), key=lambda r: r[1] - r[0]
         )
         return cls(
             model_type=model_type,
@@ -451,8 +392,13 @@ class ModelKV:
 
     @property
     def num_layers(self) -> int:
-        """Attention layers on this rank."""
+        """Layers with a cache on this rank (attention and recurrent-state layers)."""
         return len(self.layer_windows)
+
+    @property
+    def state_layers(self) -> int:
+        """Layers on this rank that keep a recurrent state (Mamba, linear attention)."""
+        return sum(1 for w in self.layer_windows if w == STATE)
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -463,19 +409,24 @@ class ModelKV:
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes on this rank across all its layers (no window capping)."""
-        return self.bytes_per_token_per_layer * self.num_layers
+        return self.bytes_per_token_per_layer * (self.num_layers - self.state_layers)
 
     @property
     def sliding_windows(self) -> tuple[int, ...]:
-        return tuple(sorted({w for w in self.layer_windows if w is not None}))
+        return tuple(sorted({w for w in self.layer_windows if w is not None and w != STATE}))
 
 
 @dataclass(frozen=True)
 class KVGroup:
-    """One KV-cache group: ``num_layers`` layers sharing a block table."""
+    """One KV-cache group: ``num_layers`` layers sharing a block table (``sliding_window``:
+    None for full attention, ``sidecar.kv.layers.STATE`` for recurrent-state layers)."""
 
     sliding_window: int | None
     num_layers: int  # real layers (padding not counted)
+
+    @property
+    def state(self) -> bool:
+        return self.sliding_window == STATE
 
 
 @dataclass(frozen=True)
@@ -502,6 +453,11 @@ class KVGeometry:
     #: tokens in flight for a decoding sequence: the one it schedules and one a concurrent batch
     #: (vLLM frees on the processed-token basis, so an unsettled step keeps its window's blocks)
     decode_in_flight_tokens: int = DEFAULT_MAX_CONCURRENT_BATCHES + 1
+    #: blocks a recurrent-state group holds for a request: at most (a step that crosses a block
+    #: boundary: prefill chunks, and decode steps every ``block_size`` tokens), and at the other
+    #: steps of its decode; see :meth:`build`
+    state_peak_blocks: int = 1
+    state_decode_blocks: int = 1
 
     @classmethod
     def build(
@@ -512,7 +468,16 @@ class KVGeometry:
         max_model_len: int | None = None,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         max_concurrent_batches: int = DEFAULT_MAX_CONCURRENT_BATCHES,
+        mamba_cache_mode: str | None = None,
     ) -> KVGeometry:
+        """``mamba_cache_mode``: vLLM's (its ``cache_config_info``), for recurrent-state
+        layers. Under ``none`` (no prefix caching) a state group holds one block a request;
+        under ``align`` (prefix caching on) it holds one once the request decodes, and two at
+        a step that crosses a block boundary (``MambaManager.allocate_new_blocks`` keeps the
+        block it copies the state from until the next step), which every prefill chunk
+        does. What a request holds now counts the one; every figure of its future (its
+        reservation, the pool's peak) the two, as sequences that decode in step cross
+        together."""
         if block_size <= 0:
             raise GeometryError(f"block size must be positive, got {block_size}")
         mml = model.derived_max_model_len if max_model_len is None else max_model_len
@@ -546,6 +511,7 @@ class KVGeometry:
             layers_per_group=max(g.num_layers for g in groups),
             max_in_flight_tokens=max_num_batched_tokens * max_concurrent_batches,
             decode_in_flight_tokens=max_concurrent_batches + 1,
+            state_peak_blocks=2 if mamba_cache_mode == "align" else 1,
         )
 
     @property
@@ -570,13 +536,15 @@ class KVGeometry:
         A sliding-window group keeps the window plus what one step may schedule, and one block
         more for the window's misalignment with block boundaries.
         """
-        return self._caps(self.max_in_flight_tokens)
+        return self._caps(self.max_in_flight_tokens, self.state_peak_blocks)
 
-    def _caps(self, in_flight: int) -> tuple[int | None, ...]:
+    def _caps(self, in_flight: int, state: int) -> tuple[int | None, ...]:
         size, longest = self.block_size, self.max_model_len
         return tuple(
             None
             if g.sliding_window is None
+            else state
+            if g.state
             else cdiv(min(g.sliding_window - 1 + in_flight, longest), size) + 1
             for g in self.groups
         )
@@ -601,22 +569,25 @@ class KVGeometry:
         pages = cdiv(num_tokens, self.block_size)
         if not self._windowed:
             return len(self.groups) * pages
-        decode = self._caps(self.decode_in_flight_tokens)
+        decode = self._caps(self.decode_in_flight_tokens, self.state_decode_blocks)
         if started:
             caps = decode
         else:
             prompt_pages = cdiv(prompt, self.block_size)
-            prefill = self._caps(max(1, min(prompt, self.max_in_flight_tokens)))
+            prefill = self._caps(
+                max(1, min(prompt, self.max_in_flight_tokens)), self.state_peak_blocks
+            )
             caps = tuple(
-                None if d is None or p is None else max(d, min(prompt_pages, p))
-                for d, p in zip(decode, prefill, strict=True)
+                None if d is None or p is None else p if g.state else max(d, min(prompt_pages, p))
+                for d, p, g in zip(decode, prefill, self.groups, strict=True)
             )
         return sum(pages if cap is None else min(pages, cap) for cap in caps)
 
     def window_caps(
         self, prompt: npt.NDArray[np.int64], started: bool | npt.NDArray[np.bool_]
     ) -> tuple[npt.NDArray[np.int64] | None, ...]:
-        """Per group, each sequence's cap as :meth:`blocks_held` takes it (None: no cap)."""
+        """Per group, each sequence's cap as :meth:`blocks_held` takes it (None: no cap), for
+        its future: a recurrent-state group's at its peak, started or not (:meth:`build`)."""
         size, longest = self.block_size, self.max_model_len
         prompt_pages = (prompt + size - 1) // size
         in_flight = np.maximum(1, np.minimum(prompt, self.max_in_flight_tokens))
@@ -624,6 +595,9 @@ class KVGeometry:
         for g in self.groups:
             if g.sliding_window is None:
                 out.append(None)
+                continue
+            if g.state:  # a future: the step that crosses a block boundary, started or not
+                out.append(np.full(prompt.shape, self.state_peak_blocks, dtype=np.int64))
                 continue
             decode = cdiv(min(g.sliding_window - 1 + self.decode_in_flight_tokens, longest), size)
             prefill = (np.minimum(g.sliding_window - 1 + in_flight, longest) + size - 1) // size

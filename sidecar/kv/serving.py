@@ -22,6 +22,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -124,14 +125,7 @@ def needed_bytes(geo: KVGeometry) -> int:
 
 
 def _rebuilt(geo: KVGeometry, max_model_len: int) -> KVGeometry:
-    return KVGeometry(
-        model=geo.model,
-        block_size=geo.block_size,
-        max_model_len=max_model_len,
-        groups=geo.groups,
-        layers_per_group=geo.layers_per_group,
-        max_in_flight_tokens=geo.max_in_flight_tokens,
-    )
+    return dataclasses.replace(geo, max_model_len=max_model_len)
 
 
 def estimate_max_model_len(geo: KVGeometry, available_bytes: int) -> int:
