@@ -7,7 +7,7 @@ real vLLM has real token counts, real KV blocks, real preemptions and real metri
 Two steps, so that what needs no torch never waits for the vLLM environment:
 
     python harness/tiny_model.py config DIR    # tokenizer, config.json, generation_config.json
-    python harness/tiny_model.py slide DIR V   # config.json: variant V (sliding, mixed)
+    python harness/tiny_model.py slide DIR V   # config.json: variant V (sliding, mixed, hybrid)
     python harness/tiny_model.py weights DIR   # model.safetensors for DIR's config.json
 
 ``config`` needs only ``tokenizers`` and ``transformers`` (the sidecar's own dependencies: the
@@ -145,13 +145,35 @@ def build_config(out: Path) -> None:
 #: the variants with sliding-window layers (``harness.vllm_cpu.ensure_model(variant=...)``), the
 #: same tokenizer and layer sizes: ``sliding``, a Mistral model whose every layer attends to the
 #: last 256 tokens; ``mixed``, a Gemma 2 model whose layers alternate such a window with full
-#: attention (vLLM's hybrid allocator: a sliding group and a full one)
+#: attention (vLLM's hybrid allocator: a sliding group and a full one); ``hybrid``, a Qwen3-Next
+#: model (a small mixture of experts) whose first three of four layers are gated delta-net linear
+#: attention, a recurrent state (vLLM's ``MambaSpec``), and the fourth full attention
 VARIANTS: dict[str, dict[str, Any]] = {
     "sliding": dict(
         model_type="mistral",
         architectures=["MistralForCausalLM"],
         sliding_window=256,
         max_position_embeddings=4096,
+    ),
+    "hybrid": dict(
+        model_type="qwen3_next",
+        architectures=["Qwen3NextForCausalLM"],
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        max_position_embeddings=4096,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        partial_rotary_factor=0.25,
     ),
     "mixed": dict(
         model_type="gemma2",
@@ -188,6 +210,8 @@ def build_weights(model_dir: Path) -> None:
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
     )
 
     torch.manual_seed(0)
@@ -197,6 +221,8 @@ def build_weights(model_dir: Path) -> None:
         model = MistralForCausalLM(MistralConfig.from_pretrained(model_dir))
     elif kind == "gemma2":
         model = Gemma2ForCausalLM(Gemma2Config.from_pretrained(model_dir))
+    elif kind == "qwen3_next":
+        model = Qwen3NextForCausalLM(Qwen3NextConfig.from_pretrained(model_dir))
     else:
         model = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir))
     model = model.to(torch.bfloat16)

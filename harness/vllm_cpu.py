@@ -164,9 +164,10 @@ def ensure_tokenizer_model() -> Path:
 
 def ensure_model(*, variant: str = "") -> Path:
     """The tiny model with its weights (for a real vLLM); installs the vLLM venv when missing.
-    ``variant``: one with sliding-window layers and a 4k context, the same tokenizer
-    (``tiny_model.VARIANTS``: ``sliding``, Mistral-shaped, every layer a 256-token window;
-    ``mixed``, Gemma-2-shaped, a window and full attention alternating)."""
+    ``variant``: one with other layers than full attention and a 4k context, the same
+    tokenizer (``tiny_model.VARIANTS``: ``sliding``, Mistral-shaped, every layer a 256-token
+    window; ``mixed``, Gemma-2-shaped, a window and full attention alternating; ``hybrid``,
+    Qwen3-Next-shaped, three linear-attention layers and one full)."""
     out = CACHE / "models" / f"tiny-{_generator_digest()}{'-' + variant if variant else ''}"
     if (out / "config.json").exists():  # renamed into place whole: present means complete
         return out

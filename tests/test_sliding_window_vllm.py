@@ -1,4 +1,5 @@
-"""Sliding-window models on the real vLLM: the sidecar counts the blocks vLLM holds for them.
+"""Sliding-window and hybrid models on the real vLLM: the sidecar counts the blocks vLLM holds
+for them.
 
 Two variants of the harness's tiny model (``harness.tiny_model.VARIANTS``), each served with
 blocks of 32 tokens, a 4k context and 400 blocks: ``sliding``, Mistral-shaped, every layer
@@ -14,6 +15,15 @@ counting worst-case mode admits three of the ``sliding`` variant's four answers 
 holds all four in 40 blocks) and one of the ``mixed`` variant's where two fit (checked with the
 change reverted: both fail their first assertion).
 
+A third variant, ``hybrid``, is Qwen3-Next-shaped: three gated delta-net linear-attention layers
+and one full-attention layer, served at the block size vLLM aligns them to (256 tokens on the CPU
+build) with 80 blocks and prefix caching on (vLLM's ``mamba_cache_mode`` ``align``). Each
+linear layer is a group of its own holding a recurrent state: one block a request once it
+decodes, two at a step that crosses a block boundary, which every prefill chunk does
+(``MambaManager``). Until this test's change the sidecar could not read such a config and
+counted the model as full attention, three blocks a request short: worst-case mode admitted all
+four answers where three fit with the state's blocks counted (checked with the change reverted).
+
 The engine is stopped (``frozen_engine``) while the sidecar decides and while its prediction is
 read, so what is compared does not depend on how fast this host decodes.
 """
@@ -28,10 +38,12 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness.vllm_cpu import VllmServer, ensure_model
 from harness.vllm_info import VllmInfo
 from harness.workload import SidecarProcess, make_prompts, metric_value
+from sidecar.kv.geometry import KVGeometry, ModelKV, load_config
 from tests.support.stepped import admitted, frozen_engine
 from tests.support.vllm_idle import idle_preemptions
 from tests.support.wait import wait_for
@@ -47,19 +59,24 @@ BLOCK = 32
 DECODING = 10
 
 
-POOL = 400
-#: per variant: (full-attention groups, sliding groups) of the hybrid allocator
-GROUPS = {"sliding": (0, 1), "mixed": (1, 1)}
+POOL = {"sliding": 400, "mixed": 400, "hybrid": 80}
+#: per variant: (full-attention groups, sliding groups, recurrent-state groups) of the hybrid
+#: allocator
+GROUPS = {"sliding": (0, 1, 0), "mixed": (1, 1, 0), "hybrid": (1, 0, 3)}
+#: a state group's blocks for one request: at its prefill and once it decodes (align mode)
+STATE_PREFILL, STATE_DECODE = 2, 1
 
 
 @pytest.fixture(scope="module", params=sorted(GROUPS))
 def sliding_vllm(request: pytest.FixtureRequest) -> Iterator[tuple[str, VllmInfo]]:
+    variant = request.param
     server = VllmServer(
-        num_gpu_blocks=POOL,
+        num_gpu_blocks=POOL[variant],
         max_model_len=4096,
-        model_dir=ensure_model(variant=request.param),
-        served_name=f"tiny-{request.param}",
-        extra_args=["--block-size", str(BLOCK)],
+        model_dir=ensure_model(variant=variant),
+        served_name=f"tiny-{variant}",
+        # a hybrid model's block size is vLLM's to align with its state's page
+        extra_args=[] if GROUPS[variant][2] else ["--block-size", str(BLOCK)],
     )
     with server:
         yield request.param, server.info()
@@ -102,13 +119,15 @@ def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(
     """Four 600-token prompts with 3,000 tokens to generate each, through worst-case mode:
     each is reserved at its whole length in the full group and at its prefill's 19 blocks in
     the sliding one (not 113), and as many are admitted at once as the budget holds so (all
-    four on ``sliding``, two on ``mixed``, where a third fits once the first two decode and
+    four on ``sliding``, two on ``mixed``, three on ``hybrid``, where on ``mixed`` a third fits once
+    the first two decode and
     hold only the window there); with every answer vLLM runs decoding past its window, the
     sidecar's prediction is what vLLM reports holding to within a block per request, never
     below it; every answer completes in full and vLLM preempts nothing."""
     variant, vllm = sliding_vllm
-    full, sliding = GROUPS[variant]
-    assert vllm.model_dir is not None and vllm.block_size == BLOCK
+    full, sliding, state_groups = GROUPS[variant]
+    block, pool = vllm.block_size, POOL[variant]
+    assert vllm.model_dir is not None and (state_groups or block == BLOCK), block
     before = idle_preemptions(vllm.url)
     prompts = make_prompts(vllm.model_dir, REQUESTS, PROMPT_TOKENS, seed=5)
     bodies = [
@@ -122,13 +141,17 @@ def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(
         }
         for prompt in prompts
     ]
-    each = full * -(-(PROMPT_TOKENS + MAX_TOKENS) // BLOCK) + sliding * -(-PROMPT_TOKENS // BLOCK)
+    each = (
+        full * -(-(PROMPT_TOKENS + MAX_TOKENS) // block)
+        + sliding * -(-PROMPT_TOKENS // block)
+        + state_groups * STATE_PREFILL
+    )
     with SidecarProcess(vllm.url, "--reservation", "worst-case", "--policy", "queue") as sc:
         with frozen_engine(vllm):
             streams = [Stream(sc.url, body) for body in bodies]
             state = admitted(sc, REQUESTS)
         fits = min(REQUESTS, state["budget_blocks"] // each)
-        assert fits == {"sliding": 4, "mixed": 2}[variant], (each, state)
+        assert fits == {"sliding": 4, "mixed": 2, "hybrid": 3}[variant], (each, state)
         assert (state["in_flight"], state["queue_depth"]) == (fits, REQUESTS - fits), state
         assert state["reserved_blocks"] == fits * each, state
         # every answer vLLM runs decoding, its prompt's blocks out of its window (a decode step
@@ -145,7 +168,7 @@ def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(
             )
             with frozen_engine(vllm):
                 running = _metric(vllm.url, "vllm:num_requests_running")
-                held = round(_metric(vllm.url, "vllm:kv_cache_usage_perc") * (POOL - 1))
+                held = round(_metric(vllm.url, "vllm:kv_cache_usage_perc") * (pool - 1))
                 # the sidecar's own scrape of the stopped engine agrees, then its prediction,
                 # once the streams have relayed what vLLM made before it stopped
                 wait_for(
@@ -155,7 +178,12 @@ def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(
                 )
                 seen = until_steady(lambda: [s.tokens for s in streams])
                 state = sc.state()
-            if running == sum(DECODING <= t < MAX_TOKENS for t in seen):
+            # a state group holds a second block at the step a sequence crosses into a new
+            # block (align mode): a stop there is taken again too
+            crossing = state_groups and any(
+                (PROMPT_TOKENS + t) % block < 4 for t in seen if t < MAX_TOKENS
+            )
+            if running == sum(DECODING <= t < MAX_TOKENS for t in seen) and not crossing:
                 break
             time.sleep(0.2)
         else:
@@ -165,9 +193,10 @@ def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(
         text = sc.metrics()
     assert [(s.error, s.status, s.tokens) for s in streams] == [(None, 200, MAX_TOKENS)] * REQUESTS
     assert running >= 1, seen  # the prediction was read with answers decoding
-    window = -(-(256 + 2) // BLOCK) + 1  # the window and the tokens in flight, and the offset
-    longest = -(-(PROMPT_TOKENS + max(seen)) // BLOCK)
-    assert 0 < held <= running * (sliding * window + full * longest), (held, seen)
+    window = -(-(256 + 2) // block) + 1  # the window and the tokens in flight, and the offset
+    longest = -(-(PROMPT_TOKENS + max(seen)) // block)
+    most = sliding * window + full * longest + state_groups * STATE_DECODE
+    assert 0 < held <= running * most, (held, seen)
     assert 0 <= state["predicted_blocks"] - held <= running, (state, held, seen)
     queued = metric_value(text, "kv_sidecar_requests_total", decision="admit", reason="queued")
     assert (queued or 0) == REQUESTS - fits, queued
@@ -190,3 +219,32 @@ def _metric(url: str, name: str) -> float:
     value = metric_value(httpx.get(url + "/metrics", timeout=10).text, name)
     assert value is not None, f"vLLM reports no {name}"
     return value
+
+
+@pytest.mark.parametrize("sliding_vllm", ["hybrid"], indirect=True)
+def test_a_hybrid_model_s_groups_are_vllm_s(sliding_vllm: tuple[str, VllmInfo]) -> None:
+    """The geometry the sidecar builds for the hybrid model from its config and vLLM's
+    ``cache_config_info`` (block size, ``mamba_cache_mode``) gives vLLM's own startup figure,
+    ``kv_cache_max_concurrency``: the pool over one request of the whole context, each of the
+    three state groups at its peak."""
+    _, vllm = sliding_vllm
+    assert vllm.model_dir is not None
+    info = _cache_config(vllm.url)
+    assert info["mamba_cache_mode"] == "align", info
+    geometry = KVGeometry.build(
+        ModelKV.from_config(load_config(vllm.model_dir / "config.json")),
+        block_size=int(info["block_size"]),
+        max_model_len=vllm.max_model_len,
+        mamba_cache_mode=info["mamba_cache_mode"],
+    )
+    assert sum(g.state for g in geometry.groups) == 3, geometry.groups
+    reported = float(info["kv_cache_max_concurrency"])
+    assert geometry.max_concurrency(int(info["num_gpu_blocks"])) == pytest.approx(reported)
+
+
+def _cache_config(url: str) -> dict[str, str]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:cache_config_info":
+            return dict(family.samples[0].labels)
+    raise AssertionError("vLLM exports no cache_config_info")
