@@ -248,3 +248,41 @@ def _cache_config(url: str) -> dict[str, str]:
         if family.name == "vllm:cache_config_info":
             return dict(family.samples[0].labels)
     raise AssertionError("vLLM exports no cache_config_info")
+
+
+@pytest.mark.parametrize("sliding_vllm", ["hybrid"], indirect=True)
+def test_vllm_alone_runs_short_where_the_state_blocks_go_uncounted(
+    sliding_vllm: tuple[str, VllmInfo],
+) -> None:
+    """Why the state's second block is counted: the same four answers sent straight to vLLM
+    run in step (one prefill step for all four), hold 4 x (15 + 3) = 72 of the 79 blocks at
+    their end, and cross each block boundary together, when each holds a second block in each
+    of its three state groups: at the crossing into their fourteenth page (4 x (14 + 6) = 80)
+    the pool is short and vLLM preempts, where counting one block a state group (or none, as
+    a full-attention count does) says all four fit."""
+    _, vllm = sliding_vllm
+    before = idle_preemptions(vllm.url)
+    # prompts of exactly 600 token ids, sent while the engine is stopped: they start together
+    # and stay in step
+    with frozen_engine(vllm):
+        streams = [
+            Stream(
+                vllm.url,
+                {
+                    "model": vllm.served_name,
+                    "prompt": [10 + (i * 7 + j) % 400 for j in range(PROMPT_TOKENS)],
+                    "max_tokens": MAX_TOKENS,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                },
+            )
+            for i in range(REQUESTS)
+        ]
+        # vLLM's API server takes them in and hands them to the stopped engine core (its
+        # gauges come from the engine, so nothing counts them meanwhile: a pause)
+        time.sleep(3)
+    for s in streams:
+        s.thread.join(timeout=600)
+    assert [(s.error, s.status, s.tokens) for s in streams] == [(None, 200, MAX_TOKENS)] * REQUESTS
+    assert idle_preemptions(vllm.url) > before
