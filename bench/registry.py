@@ -74,6 +74,15 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         needs="the vLLM CPU venv (the simulated executor; no GPU)",
     ),
     Benchmark(
+        "hybrid",
+        "a hybrid (Mamba-style state + attention) model's burst on the real vLLM, against an "
+        "older sidecar (--baseline)",
+        "bench.hybrid",
+        "about 10 minutes",
+        needs="the vLLM CPU venv",
+        quick=("--repeat", "1", "--suffix=-quick"),
+    ),
+    Benchmark(
         "counting",
         "long prompts: what a count costs, and whether a stream beside 128k-token counts stalls",
         "bench.counting",
