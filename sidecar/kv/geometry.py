@@ -538,6 +538,11 @@ class KVGeometry:
         """
         return self._caps(self.max_in_flight_tokens, self.state_peak_blocks)
 
+    @functools.cached_property
+    def _decode_caps(self) -> tuple[int | None, ...]:
+        """Per group, what a decoding sequence holds at most now (None: no cap)."""
+        return self._caps(self.decode_in_flight_tokens, self.state_decode_blocks)
+
     def _caps(self, in_flight: int, state: int) -> tuple[int | None, ...]:
         size, longest = self.block_size, self.max_model_len
         return tuple(
@@ -569,7 +574,7 @@ class KVGeometry:
         pages = cdiv(num_tokens, self.block_size)
         if not self._windowed:
             return len(self.groups) * pages
-        decode = self._caps(self.decode_in_flight_tokens, self.state_decode_blocks)
+        decode = self._decode_caps
         if started:
             caps = decode
         else:
