@@ -45,6 +45,12 @@ S, F = STATE, None
         ({"hybrid_override_pattern": "MEM*EM-"}, 7, (S, S, F, S)),
         # Jamba: attention every `period` layers from `offset`
         ({"attn_layer_period": 4, "attn_layer_offset": 2}, 8, (S, S, F, S, S, S, F, S)),
+        # Kimi Linear: its KDA layers counted from 1
+        (
+            {"linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3]}},
+            4,
+            (S, S, F, S),
+        ),
         # Bamba
         ({"attn_layer_indices": [1, 3]}, 4, (S, F, S, F)),
         # a pure Mamba 2 model
@@ -129,6 +135,23 @@ def test_vllm_s_per_request_maximum_counts_each_state_group_at_its_peak(
     per_request = cdiv(32768, 544) + 3 * state
     assert g.blocks_per_sequence == per_request
     assert g.max_concurrency(10_000) == 10_000 / per_request
+
+
+def test_kimi_linear_keeps_its_state_layers_beside_its_mla_ones() -> None:
+    """An MLA model's layers are full attention (no sliding window), its KDA layers a state."""
+    kv = ModelKV.from_config(
+        {
+            "model_type": "kimi_linear",
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "hidden_size": 1024,
+            "torch_dtype": "bfloat16",
+            "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4]},
+        }
+    )
+    assert kv.attention == "mla" and kv.layer_windows == (S, S, S, F)
 
 
 def test_a_request_holds_one_state_block_a_group_while_it_decodes_and_its_future_two() -> None:

@@ -5,8 +5,9 @@ A layer is one of three kinds here, as ``sidecar.kv.geometry`` counts its blocks
 * full attention (``None``): a page for every ``block_size`` tokens;
 * sliding-window attention (its window, a positive int): the window's pages;
 * a recurrent state (:data:`STATE`): Mamba, Mamba 2, gated delta-net linear attention
-  (Qwen3-Next, Qwen3.5), short convolutions (LFM2): vLLM's ``MambaSpec``, a fixed number of blocks a
-  request whatever its length (``MambaManager``).
+  (Qwen3-Next, Qwen3.5), Kimi delta attention (Kimi Linear), short convolutions (LFM2):
+  vLLM's ``MambaSpec``, a fixed number of blocks a request whatever its length
+  (``MambaManager``).
 
 Layers that keep nothing (NemotronH's MLP and MoE layers) are left out. A layout this module
 cannot read raises :class:`GeometryError`, so that the sidecar says so rather than counting a
@@ -38,7 +39,7 @@ _STATE_NAMES = frozenset({"linear_attention", "mamba", "mamba2", "conv"})
 _PATTERN = {"M": STATE, "*": None, "-": "skip", "E": "skip"}
 
 #: Families whose layers keep a recurrent state but whose layout this module does not read.
-_UNREAD_STATE_TYPES = ("mamba", "falcon_mamba", "falcon_h1", "zamba", "plamo2", "minimax")
+_UNREAD_STATE_TYPES = ("falcon_h1", "zamba", "plamo2", "minimax_text_01", "minimax_m1")
 
 
 def _window(cfg: Mapping[str, Any]) -> int | None:
@@ -63,6 +64,10 @@ def _named_types(cfg: Mapping[str, Any], num_layers: int, window: int | None) ->
             FULL_ATTENTION if (i + 1) % interval == 0 else "linear_attention"
             for i in range(num_layers)
         ]
+    kimi = cfg.get("linear_attn_config")  # Kimi Linear: KDA layers, counted from 1
+    if isinstance(kimi, Mapping) and isinstance(kimi.get("kda_layers"), list):
+        kda = set(kimi["kda_layers"])
+        return ["linear_attention" if i + 1 in kda else FULL_ATTENTION for i in range(num_layers)]
     indices = cfg.get("attn_layer_indices")  # Bamba
     if isinstance(indices, list) and indices:
         return [FULL_ATTENTION if i in indices else "mamba" for i in range(num_layers)]
