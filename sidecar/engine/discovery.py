@@ -116,7 +116,7 @@ async def discover(
                 kv,
                 block_size=snap.block_size,
                 max_model_len=context,
-                mamba_cache_mode=snap.mamba_cache_mode,
+                mamba_cache_mode=snap.state_cache_mode,
             )
         except GeometryError as exc:
             if model_config_path is not None:

@@ -174,6 +174,21 @@ class EngineSnapshot:
     mamba_cache_mode: str | None = None
 
     @property
+    def state_cache_mode(self) -> str | None:
+        """How a hybrid model's state layers hold blocks (``KVGeometry.build``): vLLM's
+        ``mamba_cache_mode``; where it does not say, ``align`` under prefix caching (a state
+        block more a request: the safe side), else None.
+
+        >>> from dataclasses import replace
+        >>> snap = EngineSnapshot(0.0, 16, 100, 1, 0.0, 0, 0.0, 0.0, None, True, None, True)
+        >>> snap.state_cache_mode, replace(snap, mamba_cache_mode="none").state_cache_mode
+        ('align', 'none')
+        """
+        if self.mamba_cache_mode is not None:
+            return self.mamba_cache_mode
+        return "align" if self.prefix_caching else None
+
+    @property
     def pools(self) -> tuple[EngineSnapshot, ...]:
         """One snapshot per KV pool: each engine's, or this one when vLLM runs one engine."""
         return self.per_engine or (self,)
