@@ -20,7 +20,7 @@ and one full-attention layer, served at the block size vLLM aligns them to (256 
 build) with 80 blocks and prefix caching on (vLLM's ``mamba_cache_mode`` ``align``). Each
 linear layer is a group of its own holding a recurrent state: one block a request once it
 decodes, two at a step that crosses a block boundary, which every prefill chunk does
-(``MambaManager``). Until this test's change the sidecar could not read such a config and
+(``MambaManager``). Until 2f599c2 the sidecar could not read such a config and
 counted the model as full attention, three blocks a request short: worst-case mode admitted all
 four answers where three fit with the state's blocks counted (checked with the change reverted).
 
