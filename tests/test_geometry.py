@@ -248,8 +248,8 @@ def test_max_model_len_from_config() -> None:
         (lambda c: c.update(num_attention_heads="32"), "'num_attention_heads' must be a positive"),
         (lambda c: c.update(torch_dtype="float7"), "unknown model dtype 'float7'"),
         (
-            lambda c: c.update(layer_types=["chunked_attention"] * 28),
-            "unsupported attention type 'chunked_attention'",
+            lambda c: c.update(layer_types=["local_attention"] * 28),
+            "unsupported attention type 'local_attention'",
         ),
         (lambda c: c.update(hidden_size=3585), "not divisible"),
     ],

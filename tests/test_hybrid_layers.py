@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.kv.geometry import GeometryError, KVGeometry, ModelKV, cdiv
 from sidecar.kv.layers import STATE, layer_windows
@@ -55,6 +57,22 @@ S, F = STATE, None
         ({"attn_layer_indices": [1, 3]}, 4, (S, F, S, F)),
         # a pure Mamba 2 model
         ({"model_type": "mamba2"}, 3, (S, S, S)),
+        # Llama 4: RoPE layers chunked (a window of the chunk), every fourth (NoPE) full
+        (
+            {
+                "model_type": "llama4_text",
+                "attention_chunk_size": 8192,
+                "no_rope_layers": [1, 1, 1, 0],
+            },
+            4,
+            (8192, 8192, 8192, F),
+        ),
+        ({"model_type": "llama4_text", "attention_chunk_size": 64}, 4, (64, 64, 64, F)),
+        (
+            {"layer_types": ["chunked_attention", "full_attention"], "attention_chunk_size": 32},
+            2,
+            (32, F),
+        ),
         # a full-attention model is unchanged
         ({"model_type": "llama"}, 2, (F, F)),
     ],
@@ -71,10 +89,8 @@ def test_layer_kinds_are_read_from_each_family_s_config(
         ({"model_type": "falcon_h1"}, "cannot read the layer layout of a 'falcon_h1' model"),
         ({"hybrid_override_pattern": "M*X"}, "'hybrid_override_pattern' must give one of"),
         ({"hybrid_override_pattern": "M*"}, "'hybrid_override_pattern' must give one of"),
-        (
-            {"layer_types": ["chunked_attention"] * 3},
-            "unsupported attention type 'chunked_attention'",
-        ),
+        ({"layer_types": ["chunked_attention"] * 3}, "'attention_chunk_size' must be a positive"),
+        ({"layer_types": ["local_attention"] * 3}, "unsupported attention type 'local_"),
     ],
 )
 def test_a_layout_it_cannot_read_is_a_clear_error(cfg: dict[str, Any], message: str) -> None:
@@ -174,3 +190,89 @@ def test_a_request_holds_one_state_block_a_group_while_it_decodes_and_its_future
     flat = geometry("none", block=256, context=4096)
     assert flat.blocks_held(2000, 100, started=False) == 8 + 3
     assert flat.blocks_held(1637, 600, started=True) == 7 + 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    block=st.sampled_from([16, 32, 128]),
+    chunk=st.sampled_from([256, 2048, 8192]),
+    prompt=st.integers(1, 40_000),
+    generated=st.integers(0, 40_000),
+    unsettled=st.integers(0, 2),
+)
+def test_a_chunked_local_layer_is_never_counted_below_what_vllm_keeps(
+    block: int, chunk: int, prompt: int, generated: int, unsettled: int
+) -> None:
+    """vLLM keeps a chunked-local layer's blocks from the start of the chunk its processed
+    tokens reached (``ChunkedLocalAttentionManager.remove_skipped_blocks``; ``unsettled``
+    tokens of a decode step, or the prefill step before, not yet processed); the sidecar
+    counts the layer as a window of the chunk, never below that (a sequence not started: the
+    most its prefill keeps), and a prompt that one step prefills at exactly its pages."""
+    g = KVGeometry.build(
+        ModelKV.from_config(
+            {
+                "model_type": "llama4_text",
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+                "attention_chunk_size": chunk,
+                "no_rope_layers": [1, 1, 1, 1],
+                "torch_dtype": "bfloat16",
+            }
+        ),
+        block_size=block,
+        max_model_len=100_000,
+    )
+    tokens = prompt + generated
+    started = generated > 0
+
+    def kept(allocated: int, processed: int) -> int:
+        start = (max(0, processed - 1) // chunk) * chunk
+        return cdiv(allocated, block) - start // block
+
+    if started:
+        most = kept(tokens, max(0, tokens - unsettled))
+    else:  # its prefill, 8,192 tokens a step, the step before not yet processed
+        step = 8192
+        most = max(
+            kept(min(prompt, (k + 1) * step), max(0, (k - 1) * step))
+            for k in range(cdiv(prompt, step))
+        )
+    counted = g.blocks_held(tokens if started else prompt, prompt, started=started)
+    assert counted >= most
+    if not started and prompt <= 8192:
+        assert counted == cdiv(prompt, block)
+
+
+def test_llama_4_s_long_requests_are_counted_at_their_chunk_not_their_length() -> None:
+    """Llama 4 Scout's shape (48 layers, every fourth NoPE full attention, chunks of 8,192):
+    vLLM groups 36 chunked and 12 full layers as three groups and one; a request decoding at
+    100,000 tokens holds its pages in the full group and about a chunk in each chunked one
+    (7,792 blocks of 16 counted, where counting every layer full says 25,000)."""
+    g = KVGeometry.build(
+        ModelKV.from_config(
+            {
+                "model_type": "llama4",
+                "text_config": {
+                    "model_type": "llama4_text",
+                    "num_hidden_layers": 48,
+                    "num_attention_heads": 40,
+                    "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "attention_chunk_size": 8192,
+                    "torch_dtype": "bfloat16",
+                },
+            }
+        ),
+        block_size=16,
+        max_model_len=1_000_000,
+    )
+    assert sorted((grp.sliding_window or 0, grp.num_layers) for grp in g.groups) == [
+        (0, 12),
+        (8192, 12),
+        (8192, 12),
+        (8192, 12),
+    ]
+    window = cdiv(8192 - 1 + 3, 16) + 1  # the chunk, the tokens in flight, the offset
+    assert g.blocks_held(100_000, 1_000, started=True) == 6250 + 3 * window == 7792

@@ -3,7 +3,8 @@
 A layer is one of three kinds here, as ``sidecar.kv.geometry`` counts its blocks:
 
 * full attention (``None``): a page for every ``block_size`` tokens;
-* sliding-window attention (its window, a positive int): the window's pages;
+* sliding-window attention (its window, a positive int): the window's pages; Llama 4's
+  chunked local attention is counted as a window of its chunk (:func:`_chunk`);
 * a recurrent state (:data:`STATE`): Mamba, Mamba 2, gated delta-net linear attention
   (Qwen3-Next, Qwen3.5), Kimi delta attention (Kimi Linear), short convolutions (LFM2):
   vLLM's ``MambaSpec``, a fixed number of blocks a request whatever its length
@@ -31,6 +32,7 @@ STATE = 0
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+CHUNKED_ATTENTION = "chunked_attention"
 
 _FULL_NAMES = frozenset({FULL_ATTENTION, "attention"})
 _STATE_NAMES = frozenset({"linear_attention", "mamba", "mamba2", "conv"})
@@ -53,6 +55,17 @@ def _window(cfg: Mapping[str, Any]) -> int | None:
     return window
 
 
+def _chunk(cfg: Mapping[str, Any]) -> int:
+    """A chunked-local layer's kind: a sliding window of its chunk. vLLM keeps the blocks of
+    the current chunk (``ChunkedLocalAttentionManager``), never more than a window of the
+    chunk's length holds, so the count is an upper bound (up to a chunk's blocks above at a
+    chunk's start, where vLLM has just freed the last one)."""
+    chunk = cfg.get("attention_chunk_size")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise GeometryError(f"'attention_chunk_size' must be a positive integer, got {chunk!r}")
+    return chunk
+
+
 def _named_types(cfg: Mapping[str, Any], num_layers: int, window: int | None) -> list[str]:
     """The layer types of a config without ``layer_types``, from its model family's rule."""
     model_type = str(cfg.get("model_type", ""))
@@ -64,6 +77,13 @@ def _named_types(cfg: Mapping[str, Any], num_layers: int, window: int | None) ->
             FULL_ATTENTION if (i + 1) % interval == 0 else "linear_attention"
             for i in range(num_layers)
         ]
+    if model_type.startswith("llama4") and cfg.get("attention_chunk_size") is not None:
+        # Llama 4: its RoPE layers attend within their chunk, the others (NoPE) to everything
+        nope = cfg.get("no_rope_layers")
+        if not isinstance(nope, list) or not nope:
+            every = cfg.get("no_rope_layer_interval", 4)
+            nope = [int((i + 1) % every != 0) for i in range(num_layers)]
+        return [CHUNKED_ATTENTION if nope[i] else FULL_ATTENTION for i in range(num_layers)]
     kimi = cfg.get("linear_attn_config")  # Kimi Linear: KDA layers, counted from 1
     if isinstance(kimi, Mapping) and isinstance(kimi.get("kda_layers"), list):
         kda = set(kimi["kda_layers"])
@@ -126,8 +146,12 @@ def layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, 
             windows.append(window)
         elif kind in _STATE_NAMES:
             windows.append(STATE)
+        elif kind == CHUNKED_ATTENTION:
+            windows.append(_chunk(cfg))
         else:
-            known = ", ".join(sorted({*_FULL_NAMES, SLIDING_ATTENTION, *_STATE_NAMES}))
+            known = ", ".join(
+                sorted({*_FULL_NAMES, SLIDING_ATTENTION, CHUNKED_ATTENTION, *_STATE_NAMES})
+            )
             raise GeometryError(
                 f"unsupported attention type {kind!r} in 'layer_types' (supported: {known})"
             )
