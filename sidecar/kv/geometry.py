@@ -16,6 +16,8 @@ rules (``vllm/v1/kv_cache_interface.py``, ``vllm/v1/core/kv_cache_utils.py``,
   in flight are what one step may schedule for vLLM's pool sizing and admission cap, but for one
   sequence at most its prompt while it prefills and a token a step once it decodes
   (``SlidingWindowManager.remove_skipped_blocks`` frees what falls out of the window);
+  recurrent-state groups (Mamba, linear attention: ``sidecar.kv.layers``) a fixed one or two
+  blocks a request (``MambaManager``, :meth:`KVGeometry.build`);
 * the pool has ``available_memory // bytes_per_block`` blocks; the maximum concurrency is
   ``num_blocks / blocks_per_request(max_model_len)``.
 
