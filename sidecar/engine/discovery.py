@@ -126,6 +126,7 @@ async def discover(
             )
     blocks: BlockMath
     if geometry is not None:
+        log.info("KV counted as vLLM holds it: %s", describe_groups(geometry))
         blocks = geometry
         bytes_per_block: int | None = geometry.bytes_per_block
     else:
@@ -249,6 +250,34 @@ def _default_max_tokens(flag: int | None, model_dir: Path | None) -> tuple[int |
         if value is not None:
             return value, f"max_new_tokens in {source}"
     return None, f"no max_new_tokens in {model_dir}"
+
+
+def describe_groups(geometry: KVGeometry) -> str:
+    """The geometry's KV-cache groups in words, for the start-up log.
+
+    >>> from sidecar.kv.geometry import ModelKV
+    >>> kv = ModelKV.from_config({"num_hidden_layers": 4, "num_attention_heads": 4,
+    ...     "hidden_size": 256, "layer_types": ["linear_attention"] * 3 + ["full_attention"]})
+    >>> said = describe_groups(KVGeometry.build(kv, block_size=256, mamba_cache_mode="align"))
+    >>> for part in said.split(", "):
+    ...     print(part)
+    256 tokens a block; 1 full-attention group
+    3 recurrent-state groups (2 blocks a request at most)
+    """
+    full = sum(1 for g in geometry.groups if g.sliding_window is None)
+    state = sum(1 for g in geometry.groups if g.state)
+    windows = sorted({g.sliding_window for g in geometry.groups if g.sliding_window} - {0})
+    parts = [f"{full} full-attention group{'s' * (full != 1)}"] if full else []
+    for w in windows:
+        n = sum(1 for g in geometry.groups if g.sliding_window == w)
+        parts.append(f"{n} sliding-window group{'s' * (n != 1)} of {w} tokens")
+    if state:
+        parts.append(
+            f"{state} recurrent-state group{'s' * (state != 1)} "
+            f"({geometry.state_peak_blocks} block{'s' * (geometry.state_peak_blocks != 1)} "
+            "a request at most)"
+        )
+    return f"{geometry.block_size} tokens a block; " + ", ".join(parts)
 
 
 def _log_max_tokens_defaults(default: int | None, source: str, cap: int | None) -> None:
