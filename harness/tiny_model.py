@@ -7,7 +7,7 @@ real vLLM has real token counts, real KV blocks, real preemptions and real metri
 Two steps, so that what needs no torch never waits for the vLLM environment:
 
     python harness/tiny_model.py config DIR    # tokenizer, config.json, generation_config.json
-    python harness/tiny_model.py slide DIR V   # config.json: variant V (sliding, mixed, hybrid)
+    python harness/tiny_model.py slide DIR V   # config.json: variant V (tiny_model.VARIANTS)
     python harness/tiny_model.py weights DIR   # model.safetensors for DIR's config.json
 
 ``config`` needs only ``tokenizers`` and ``transformers`` (the sidecar's own dependencies: the
@@ -147,7 +147,9 @@ def build_config(out: Path) -> None:
 #: last 256 tokens; ``mixed``, a Gemma 2 model whose layers alternate such a window with full
 #: attention (vLLM's hybrid allocator: a sliding group and a full one); ``hybrid``, a Qwen3-Next
 #: model (a small mixture of experts) whose first three of four layers are gated delta-net linear
-#: attention, a recurrent state (vLLM's ``MambaSpec``), and the fourth full attention
+#: attention, a recurrent state (vLLM's ``MambaSpec``), and the fourth full attention;
+#: ``chunked``, a Llama 4 text model whose first three of four layers attend within chunks of 256
+#: tokens (chunked local attention) and the fourth to everything
 VARIANTS: dict[str, dict[str, Any]] = {
     "sliding": dict(
         model_type="mistral",
@@ -174,6 +176,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
         decoder_sparse_step=1,
         norm_topk_prob=True,
         partial_rotary_factor=0.25,
+    ),
+    "chunked": dict(
+        model_type="llama4_text",
+        architectures=["Llama4ForCausalLM"],
+        num_hidden_layers=4,
+        attention_chunk_size=256,
+        no_rope_layers=[1, 1, 1, 0],
+        layer_types=["chunked_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=4096,
+        intermediate_size_mlp=512,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
     ),
     "mixed": dict(
         model_type="gemma2",
@@ -206,6 +221,8 @@ def build_weights(model_dir: Path) -> None:
     from transformers import (
         Gemma2Config,
         Gemma2ForCausalLM,
+        Llama4ForCausalLM,
+        Llama4TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -221,6 +238,8 @@ def build_weights(model_dir: Path) -> None:
         model = MistralForCausalLM(MistralConfig.from_pretrained(model_dir))
     elif kind == "gemma2":
         model = Gemma2ForCausalLM(Gemma2Config.from_pretrained(model_dir))
+    elif kind == "llama4_text":
+        model = Llama4ForCausalLM(Llama4TextConfig.from_pretrained(model_dir))
     elif kind == "qwen3_next":
         model = Qwen3NextForCausalLM(Qwen3NextConfig.from_pretrained(model_dir))
     else:

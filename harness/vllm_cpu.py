@@ -167,7 +167,8 @@ def ensure_model(*, variant: str = "") -> Path:
     ``variant``: one with other layers than full attention and a 4k context, the same
     tokenizer (``tiny_model.VARIANTS``: ``sliding``, Mistral-shaped, every layer a 256-token
     window; ``mixed``, Gemma-2-shaped, a window and full attention alternating; ``hybrid``,
-    Qwen3-Next-shaped, three linear-attention layers and one full)."""
+    Qwen3-Next-shaped, three linear-attention layers and one full; ``chunked``, Llama-4-shaped,
+    three layers of chunked local attention and one full)."""
     out = CACHE / "models" / f"tiny-{_generator_digest()}{'-' + variant if variant else ''}"
     if (out / "config.json").exists():  # renamed into place whole: present means complete
         return out

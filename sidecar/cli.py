@@ -218,6 +218,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "head_size": model.head_size,
         "sliding_windows": list(model.sliding_windows),
         "state_layers": model.state_layers,
+        "attention_chunks": list(model.attention_chunks),
         "kv_cache_groups": len(geo.groups),
         "model_dtype": model.model_dtype,
         "kv_cache_dtype": model.kv_cache_dtype,
@@ -291,6 +292,7 @@ def _render_table(p: dict[str, Any]) -> str:
         ("KV heads per rank x head size", f"{p['kv_heads_per_rank']} x {p['head_size']}"),
         ("sliding windows", ", ".join(map(str, p["sliding_windows"])) or "none"),
         ("recurrent-state layers", str(p["state_layers"])),
+        ("attention chunks", ", ".join(map(str, p["attention_chunks"])) or "none"),
         ("KV cache groups", str(p["kv_cache_groups"])),
         (
             "dtype (model / KV cache)",

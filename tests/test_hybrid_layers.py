@@ -57,7 +57,7 @@ S, F = STATE, None
         ({"attn_layer_indices": [1, 3]}, 4, (S, F, S, F)),
         # a pure Mamba 2 model
         ({"model_type": "mamba2"}, 3, (S, S, S)),
-        # Llama 4: RoPE layers chunked (a window of the chunk), every fourth (NoPE) full
+        # Llama 4: RoPE layers chunked (minus the chunk), every fourth (NoPE) full
         (
             {
                 "model_type": "llama4_text",
@@ -65,13 +65,13 @@ S, F = STATE, None
                 "no_rope_layers": [1, 1, 1, 0],
             },
             4,
-            (8192, 8192, 8192, F),
+            (-8192, -8192, -8192, F),
         ),
-        ({"model_type": "llama4_text", "attention_chunk_size": 64}, 4, (64, 64, 64, F)),
+        ({"model_type": "llama4_text", "attention_chunk_size": 64}, 4, (-64, -64, -64, F)),
         (
             {"layer_types": ["chunked_attention", "full_attention"], "attention_chunk_size": 32},
             2,
-            (32, F),
+            (-32, F),
         ),
         # a full-attention model is unchanged
         ({"model_type": "llama"}, 2, (F, F)),
@@ -248,8 +248,10 @@ def test_a_chunked_local_layer_is_never_counted_below_what_vllm_keeps(
 def test_llama_4_s_long_requests_are_counted_at_their_chunk_not_their_length() -> None:
     """Llama 4 Scout's shape (48 layers, every fourth NoPE full attention, chunks of 8,192):
     vLLM groups 36 chunked and 12 full layers as three groups and one; a request decoding at
-    100,000 tokens holds its pages in the full group and about a chunk in each chunked one
-    (7,792 blocks of 16 counted, where counting every layer full says 25,000)."""
+    100,000 tokens holds its 6,250 pages in the full group and its current chunk's 106 in each
+    chunked one: 6,568 blocks of 16 (read as full attention, every layer in one group, it was
+    counted at 6,250, below what vLLM holds); its future is bounded at a window of the chunk
+    in each (514 blocks)."""
     g = KVGeometry.build(
         ModelKV.from_config(
             {
@@ -268,11 +270,14 @@ def test_llama_4_s_long_requests_are_counted_at_their_chunk_not_their_length() -
         block_size=16,
         max_model_len=1_000_000,
     )
-    assert sorted((grp.sliding_window or 0, grp.num_layers) for grp in g.groups) == [
-        (0, 12),
-        (8192, 12),
-        (8192, 12),
-        (8192, 12),
+    assert sorted((grp.chunked, grp.num_layers) for grp in g.groups) == [
+        (False, 12),
+        (True, 12),
+        (True, 12),
+        (True, 12),
     ]
+    assert g.model.attention_chunks == (8192,) and g.model.sliding_windows == ()
+    assert g.blocks_held(100_000, 1_000, started=True) == 6250 + 3 * 106 == 6568
     window = cdiv(8192 - 1 + 3, 16) + 1  # the chunk, the tokens in flight, the offset
-    assert g.blocks_held(100_000, 1_000, started=True) == 6250 + 3 * window == 7792
+    caps = g.window_caps(np.array([1_000]), True)
+    assert sorted(int(c[0]) for c in caps if c is not None) == [window] * 3 == [514] * 3

@@ -24,6 +24,13 @@ decodes, two at a step that crosses a block boundary, which every prefill chunk 
 counted the model as full attention, three blocks a request short: worst-case mode admitted all
 four answers where three fit with the state's blocks counted (checked with the change reverted).
 
+A fourth, ``chunked``, is Llama-4-shaped: three layers of chunked local attention (chunks of 256
+tokens) and one full, blocks of 32, 400 blocks. vLLM keeps a chunked layer's blocks of the
+sequence's current chunk (``ChunkedLocalAttentionManager``) in each of its three chunked
+groups, and every page in its full one. Until ba454eb the sidecar read every layer as full
+attention in one group and counted an answer at its pages once (113 blocks), below what vLLM
+holds: worst-case mode admitted three where two fit (checked with the count reverted).
+
 The engine is stopped (``frozen_engine``) while the sidecar decides and while its prediction is
 read, so what is compared does not depend on how fast this host decodes.
 """
@@ -59,10 +66,12 @@ BLOCK = 32
 DECODING = 10
 
 
-POOL = {"sliding": 400, "mixed": 400, "hybrid": 80}
-#: per variant: (full-attention groups, sliding groups, recurrent-state groups) of the hybrid
-#: allocator
-GROUPS = {"sliding": (0, 1, 0), "mixed": (1, 1, 0), "hybrid": (1, 0, 3)}
+POOL = {"sliding": 400, "mixed": 400, "hybrid": 80, "chunked": 400}
+#: per variant: (full-attention groups, sliding or chunked groups, recurrent-state groups) of
+#: the hybrid allocator
+GROUPS = {"sliding": (0, 1, 0), "mixed": (1, 1, 0), "hybrid": (1, 0, 3), "chunked": (1, 3, 0)}
+#: the chunked variant's attention chunk
+CHUNK = 256
 #: a state group's blocks for one request: at its prefill and once it decodes (align mode)
 STATE_PREFILL, STATE_DECODE = 2, 1
 
@@ -119,9 +128,9 @@ def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(
     """Four 600-token prompts with 3,000 tokens to generate each, through worst-case mode:
     each is reserved at its whole length in the full group and at its prefill's 19 blocks in
     the sliding one (not 113), and as many are admitted at once as the budget holds so (all
-    four on ``sliding``, two on ``mixed``, three on ``hybrid``, where on ``mixed`` a third fits once
-    the first two decode and
-    hold only the window there); with every answer vLLM runs decoding past its window, the
+    four on ``sliding``, two on ``mixed`` and ``chunked``, three on ``hybrid``; on ``mixed`` a
+    third fits once the first two decode and hold only the window there); with every answer
+    vLLM runs decoding past its window, the
     sidecar's prediction is what vLLM reports holding to within a block per request, never
     below it; every answer completes in full and vLLM preempts nothing."""
     variant, vllm = sliding_vllm
@@ -151,7 +160,10 @@ def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(
             streams = [Stream(sc.url, body) for body in bodies]
             state = admitted(sc, REQUESTS)
         fits = min(REQUESTS, state["budget_blocks"] // each)
-        assert fits == {"sliding": 4, "mixed": 2, "hybrid": 3}[variant], (each, state)
+        assert fits == {"sliding": 4, "mixed": 2, "hybrid": 3, "chunked": 2}[variant], (
+            each,
+            state,
+        )
         assert (state["in_flight"], state["queue_depth"]) == (fits, REQUESTS - fits), state
         assert state["reserved_blocks"] == fits * each, state
         # every answer vLLM runs decoding, its prompt's blocks out of its window (a decode step
@@ -179,9 +191,11 @@ def test_sequences_are_counted_at_the_blocks_vllm_holds_for_them(
                 seen = until_steady(lambda: [s.tokens for s in streams])
                 state = sc.state()
             # a state group holds a second block at the step a sequence crosses into a new
-            # block (align mode): a stop there is taken again too
-            crossing = state_groups and any(
-                (PROMPT_TOKENS + t) % block < 4 for t in seen if t < MAX_TOKENS
+            # block (align mode), and a chunked group frees the chunk before a step or two
+            # after the sequence enters a new one: a stop there is taken again too
+            boundary = block if state_groups else CHUNK if variant == "chunked" else 0
+            crossing = boundary and any(
+                (PROMPT_TOKENS + t) % boundary < 5 for t in seen if t < MAX_TOKENS
             )
             if running == sum(DECODING <= t < MAX_TOKENS for t in seen) and not crossing:
                 break

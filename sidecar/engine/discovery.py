@@ -266,11 +266,11 @@ def describe_groups(geometry: KVGeometry) -> str:
     """
     full = sum(1 for g in geometry.groups if g.sliding_window is None)
     state = sum(1 for g in geometry.groups if g.state)
-    windows = sorted({g.sliding_window for g in geometry.groups if g.sliding_window} - {0})
     parts = [f"{full} full-attention group{'s' * (full != 1)}"] if full else []
-    for w in windows:
+    for w in sorted({g.sliding_window for g in geometry.groups if g.sliding_window} - {0}):
         n = sum(1 for g in geometry.groups if g.sliding_window == w)
-        parts.append(f"{n} sliding-window group{'s' * (n != 1)} of {w} tokens")
+        kind = "chunked-local group" if w < 0 else "sliding-window group"
+        parts.append(f"{n} {kind}{'s' * (n != 1)} of {abs(w)} tokens")
     if state:
         parts.append(
             f"{state} recurrent-state group{'s' * (state != 1)} "

@@ -415,7 +415,12 @@ class ModelKV:
 
     @property
     def sliding_windows(self) -> tuple[int, ...]:
-        return tuple(sorted({w for w in self.layer_windows if w is not None and w != STATE}))
+        return tuple(sorted({w for w in self.layer_windows if w is not None and w > 0}))
+
+    @property
+    def attention_chunks(self) -> tuple[int, ...]:
+        """The chunks of chunked local attention layers (Llama 4)."""
+        return tuple(sorted({-w for w in self.layer_windows if w is not None and w < 0}))
 
 
 @dataclass(frozen=True)
@@ -429,6 +434,17 @@ class KVGroup:
     @property
     def state(self) -> bool:
         return self.sliding_window == STATE
+
+    @property
+    def chunked(self) -> bool:
+        """Chunked local attention (Llama 4): ``sliding_window`` is minus its chunk."""
+        return self.sliding_window is not None and self.sliding_window < 0
+
+    @property
+    def window(self) -> int:
+        """The tokens a sliding or chunked group keeps at most: its window, or its chunk."""
+        assert self.sliding_window is not None
+        return abs(self.sliding_window)
 
 
 @dataclass(frozen=True)
@@ -552,7 +568,7 @@ class KVGeometry:
             if g.sliding_window is None
             else state
             if g.state
-            else cdiv(min(g.sliding_window - 1 + in_flight, longest), size) + 1
+            else cdiv(min(g.window - 1 + in_flight, longest), size) + 1
             for g in self.groups
         )
 
@@ -560,7 +576,10 @@ class KVGeometry:
         """Pool blocks a sequence of ``prompt`` prompt tokens holds at ``num_tokens``. A
         sliding-window group holds the window and the tokens in flight: once the sequence has
         started, a decode step's; before, what its prefill holds (its prompt's pages, at most
-        the window and a step's chunk), the most it holds in its life.
+        the window and a step's chunk), the most it holds in its life. A chunked-local group
+        (Llama 4) holds the current chunk's blocks once the sequence decodes (those from the
+        chunk its processed tokens reached, the tokens in flight taken as not processed), and
+        is bounded as a window of the chunk before.
 
         >>> g = KVGeometry.build(ModelKV.from_config({"num_hidden_layers": 2,
         ...     "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
@@ -578,6 +597,16 @@ class KVGeometry:
             return len(self.groups) * pages
         decode = self._decode_caps
         if started:
+            if self._chunked:  # the current chunk's blocks, as far as vLLM has processed
+                done = max(0, num_tokens - self.decode_in_flight_tokens)
+                return sum(
+                    pages
+                    if cap is None
+                    else pages - (done // g.window * g.window) // self.block_size
+                    if g.chunked
+                    else min(pages, cap)
+                    for cap, g in zip(decode, self.groups, strict=True)
+                )
             caps = decode
         else:
             prompt_pages = cdiv(prompt, self.block_size)
@@ -606,11 +635,15 @@ class KVGeometry:
             if g.state:  # a future: the step that crosses a block boundary, started or not
                 out.append(np.full(prompt.shape, self.state_peak_blocks, dtype=np.int64))
                 continue
-            decode = cdiv(min(g.sliding_window - 1 + self.decode_in_flight_tokens, longest), size)
-            prefill = (np.minimum(g.sliding_window - 1 + in_flight, longest) + size - 1) // size
+            decode = cdiv(min(g.window - 1 + self.decode_in_flight_tokens, longest), size)
+            prefill = (np.minimum(g.window - 1 + in_flight, longest) + size - 1) // size
             unstarted = np.maximum(decode + 1, np.minimum(prompt_pages, prefill + 1))
             out.append(np.where(started, decode + 1, unstarted).astype(np.int64))
         return tuple(out)
+
+    @functools.cached_property
+    def _chunked(self) -> bool:
+        return any(g.chunked for g in self.groups)
 
     @functools.cached_property
     def _windowed(self) -> bool:

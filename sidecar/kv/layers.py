@@ -4,7 +4,7 @@ A layer is one of three kinds here, as ``sidecar.kv.geometry`` counts its blocks
 
 * full attention (``None``): a page for every ``block_size`` tokens;
 * sliding-window attention (its window, a positive int): the window's pages; Llama 4's
-  chunked local attention is counted as a window of its chunk (:func:`_chunk`);
+  chunked local attention (minus its chunk, a negative int) the current chunk's (:func:`_chunk`);
 * a recurrent state (:data:`STATE`): Mamba, Mamba 2, gated delta-net linear attention
   (Qwen3-Next, Qwen3.5), Kimi delta attention (Kimi Linear), short convolutions (LFM2):
   vLLM's ``MambaSpec``, a fixed number of blocks a request whatever its length
@@ -18,6 +18,8 @@ hybrid model as full attention.
 (0, 0, 0, None)
 >>> layer_windows({"hybrid_override_pattern": "M-M*-"}, 5)
 (0, 0, None)
+>>> layer_windows({"layer_types": ["chunked_attention"], "attention_chunk_size": 8192}, 1)
+(-8192,)
 """
 
 from __future__ import annotations
@@ -56,14 +58,13 @@ def _window(cfg: Mapping[str, Any]) -> int | None:
 
 
 def _chunk(cfg: Mapping[str, Any]) -> int:
-    """A chunked-local layer's kind: a sliding window of its chunk. vLLM keeps the blocks of
-    the current chunk (``ChunkedLocalAttentionManager``), never more than a window of the
-    chunk's length holds, so the count is an upper bound (up to a chunk's blocks above at a
-    chunk's start, where vLLM has just freed the last one)."""
+    """A chunked-local layer's kind: minus its chunk. vLLM keeps the blocks of a sequence's
+    current chunk (``ChunkedLocalAttentionManager``); its future is bounded as a sliding
+    window of the chunk's length would be."""
     chunk = cfg.get("attention_chunk_size")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise GeometryError(f"'attention_chunk_size' must be a positive integer, got {chunk!r}")
-    return chunk
+    return -chunk
 
 
 def _named_types(cfg: Mapping[str, Any], num_layers: int, window: int | None) -> list[str]:
