@@ -38,6 +38,7 @@ import httpx
 from bench.common import (
     BaselineSidecar,
     queue_flags,
+    read_vllm,
     reset_prefix_cache,
     wait_idle,
     wait_tokenizer,
@@ -103,15 +104,10 @@ def sampled(url: str, into: list[tuple[float, float, float]]) -> Iterator[None]:
     def loop() -> None:
         t0 = time.monotonic()
         while not stop.is_set():
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                text = httpx.get(url + "/metrics", timeout=5).text
-                running = usage = 0.0
-                for line in text.splitlines():
-                    if line.startswith("vllm:num_requests_running{"):
-                        running += float(line.rsplit(" ", 1)[1])
-                    elif line.startswith("vllm:kv_cache_usage_perc{"):
-                        usage = float(line.rsplit(" ", 1)[1])
-                into.append((round(time.monotonic() - t0, 2), running, usage))
+            with contextlib.suppress(httpx.HTTPError):
+                m = read_vllm(httpx.get(url + "/metrics", timeout=5).text)
+                at = round(time.monotonic() - t0, 2)
+                into.append((at, m["num_requests_running"], m["kv_cache_usage_perc"]))
             stop.wait(0.5)
 
     thread = threading.Thread(target=loop, daemon=True)

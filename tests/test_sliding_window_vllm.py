@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from harness.exposition import cache_config_labels
 from harness.vllm_cpu import VllmServer, ensure_model
 from harness.vllm_info import VllmInfo
 from harness.workload import SidecarProcess, make_prompts, metric_value
@@ -243,7 +243,7 @@ def test_a_hybrid_model_s_groups_are_vllm_s(sliding_vllm: tuple[str, VllmInfo]) 
     three state groups at its peak."""
     _, vllm = sliding_vllm
     assert vllm.model_dir is not None
-    info = _cache_config(vllm.url)
+    info = cache_config_labels(httpx.get(vllm.url + "/metrics", timeout=10).text)
     assert info["mamba_cache_mode"] == "align", info
     geometry = KVGeometry.build(
         ModelKV.from_config(load_config(vllm.model_dir / "config.json")),
@@ -254,14 +254,6 @@ def test_a_hybrid_model_s_groups_are_vllm_s(sliding_vllm: tuple[str, VllmInfo]) 
     assert sum(g.state for g in geometry.groups) == 3, geometry.groups
     reported = float(info["kv_cache_max_concurrency"])
     assert geometry.max_concurrency(int(info["num_gpu_blocks"])) == pytest.approx(reported)
-
-
-def _cache_config(url: str) -> dict[str, str]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:cache_config_info":
-            return dict(family.samples[0].labels)
-    raise AssertionError("vLLM exports no cache_config_info")
 
 
 @pytest.mark.parametrize("sliding_vllm", ["hybrid"], indirect=True)

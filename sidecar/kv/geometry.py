@@ -426,7 +426,8 @@ class ModelKV:
 @dataclass(frozen=True)
 class KVGroup:
     """One KV-cache group: ``num_layers`` layers sharing a block table (``sliding_window``:
-    None for full attention, ``sidecar.kv.layers.STATE`` for recurrent-state layers)."""
+    None for full attention, ``sidecar.kv.layers.STATE`` for recurrent-state layers, minus the
+    chunk for chunked local attention)."""
 
     sliding_window: int | None
     num_layers: int  # real layers (padding not counted)
@@ -471,11 +472,10 @@ class KVGeometry:
     #: tokens in flight for a decoding sequence: the one it schedules and one a concurrent batch
     #: (vLLM frees on the processed-token basis, so an unsettled step keeps its window's blocks)
     decode_in_flight_tokens: int = DEFAULT_MAX_CONCURRENT_BATCHES + 1
-    #: blocks a recurrent-state group holds for a request: at most (a step that crosses a block
-    #: boundary: prefill chunks, and decode steps every ``block_size`` tokens), and at the other
-    #: steps of its decode; see :meth:`build`
+    #: blocks a recurrent-state group holds for a request at most (a step that crosses a block
+    #: boundary: prefill chunks, and decode steps every ``block_size`` tokens); at the other
+    #: steps of its decode, one; see :meth:`build`
     state_peak_blocks: int = 1
-    state_decode_blocks: int = 1
 
     @classmethod
     def build(
@@ -559,7 +559,7 @@ class KVGeometry:
     @functools.cached_property
     def _decode_caps(self) -> tuple[int | None, ...]:
         """Per group, what a decoding sequence holds at most now (None: no cap)."""
-        return self._caps(self.decode_in_flight_tokens, self.state_decode_blocks)
+        return self._caps(self.decode_in_flight_tokens, 1)
 
     def _caps(self, in_flight: int, state: int) -> tuple[int | None, ...]:
         size, longest = self.block_size, self.max_model_len
