@@ -13,10 +13,10 @@ from sidecar.kv.geometry import (
     KVGeometry,
     ModelKV,
     cdiv,
-    kv_cache_memory_bytes,
     load_config,
     pp_partition,
 )
+from sidecar.kv.memory import kv_cache_memory_bytes
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 KIB = 1024

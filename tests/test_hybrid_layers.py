@@ -172,8 +172,10 @@ def test_kimi_linear_keeps_its_state_layers_beside_its_mla_ones() -> None:
 
 def test_a_request_holds_one_state_block_a_group_while_it_decodes_and_its_future_two() -> None:
     """Now: a decoding sequence holds its pages and one block a state group, a prefilling one
-    two a group once its prompt crosses a block (one for a prompt within a block). Its future
-    (reservations, the pool's peak): two a group, as soon as it will cross a block boundary."""
+    two a group once its prompt crosses a block (one for a prompt within a block). Its
+    reservation, and the future of one not started: two a group, as soon as it will cross a
+    block boundary. A decoding sequence's future: one a group, its crossings counted apart
+    (tests/test_state_crossing.py)."""
     g = geometry("align", block=256, context=4096)
     assert g.blocks_held(695, 600, started=True) == 3 + 3
     assert g.blocks_held(1637, 600, started=True) == 7 + 3
@@ -185,7 +187,10 @@ def test_a_request_holds_one_state_block_a_group_while_it_decodes_and_its_future
     for started in (np.array([False, False, True]), True, False):
         caps = g.window_caps(prompts, started)
         assert [c is None for c in caps].count(True) == 1
-        assert all((c == 2).all() for c in caps if c is not None)
+        want = np.where(started, 1, 2) + np.zeros(3, dtype=np.int64)
+        assert all((c == want).all() for c in caps if c is not None), (started, caps)
+    assert g.crossing_blocks == 3
+    assert g.blocks_for_tokens(3000) == cdiv(3000, 256) + 3 * 2  # a reservation: two a group
     # without prefix caching a state group holds one block, now and later
     flat = geometry("none", block=256, context=4096)
     assert flat.blocks_held(2000, 100, started=False) == 8 + 3

@@ -22,6 +22,7 @@ class Groups:
 
     block_size: int
     group_caps: tuple[int | None, ...]
+    crossing_blocks: int = 0
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         if num_tokens <= 0:

@@ -449,11 +449,7 @@ class AdmissionController:
         else:
             capacities = [p.view.capacity_blocks for p in self._open(ask)]
             capacity = None if None in capacities else max(c for c in capacities if c is not None)
-        if (
-            capacity is not None
-            and projection.exact
-            and projection.sequence_peak_blocks > capacity
-        ):
+        if capacity is not None and projection.exact and projection.sequence_peak_blocks > capacity:
             return Decision(
                 Outcome.REJECT,
                 Reason.TOO_LARGE,

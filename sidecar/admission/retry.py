@@ -146,7 +146,14 @@ class RetryPlanner:
             return None
         others = self.ledger.retry_columns(ahead, likely)
         own = self._own(candidate, likely)
-        return steps_until_fits(others, own, budget_blocks - external_blocks, self.ledger.blocks)
+        return steps_until_fits(
+            others, own, self._budget(budget_blocks, external_blocks), self.ledger.blocks
+        )
+
+    def _budget(self, budget_blocks: int, external_blocks: int) -> int:
+        """What the trajectories may hold: the budget less what vLLM holds beyond the ledger and
+        the state groups' crossings (``sidecar.kv.crossing``), which they do not lay out."""
+        return budget_blocks - external_blocks - self.ledger.crossing_blocks()
 
     def _own(self, candidate: Reservation, likely: Callable[[str], int | None] | None) -> Columns:
         ends = None if likely is None else likely_end(likely)
@@ -189,7 +196,9 @@ class RetryPlanner:
             steps_to_slot = max(0, round((booking.slot_at - now) / seconds_per_step))
             others.add_delayed(booking.trajectories, steps_to_slot)
         own = self._own(candidate, likely)
-        steps = steps_until_fits(others, own, budget_blocks - external_blocks, self.ledger.blocks)
+        steps = steps_until_fits(
+            others, own, self._budget(budget_blocks, external_blocks), self.ledger.blocks
+        )
         if steps is None:
             return self._fallback(fallback, now, book, key, mine)
         # a little late rather than early: the requests that make room must have ended and

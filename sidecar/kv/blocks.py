@@ -39,6 +39,12 @@ class BlockMath(Protocol):
         """Per group, the most blocks one sequence ever holds (vLLM's admission cap)."""
         ...
 
+    @property
+    def crossing_blocks(self) -> int:
+        """Blocks a decoding sequence holds beyond :meth:`window_caps` at a step that crosses a
+        block boundary (recurrent-state groups under prefix caching; ``sidecar.kv.crossing``)."""
+        ...
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks at ``num_tokens`` tokens under :attr:`group_caps` (a sequence at its worst)."""
         ...
@@ -70,6 +76,10 @@ class UniformBlocks:
     @property
     def group_caps(self) -> tuple[int | None, ...]:
         return (None,)
+
+    @property
+    def crossing_blocks(self) -> int:
+        return 0
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         # ceil, inlined (called several times per admission decision)

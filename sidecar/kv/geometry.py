@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -493,9 +492,10 @@ class KVGeometry:
         under ``align`` (prefix caching on) it holds one once the request decodes, and two at
         a step that crosses a block boundary (``MambaManager.allocate_new_blocks`` keeps the
         block it copies the state from until the next step), which every prefill chunk
-        does. What a request holds now counts the one; every figure of its future (its
-        reservation, the pool's peak) the two, as sequences that decode in step cross
-        together."""
+        does. What a request holds now counts the one; its reservation, and the future of
+        one not started, the two; a decoding sequence's future the one, with the second
+        blocks of the sequences that cross together at one step added apart
+        (:attr:`crossing_blocks`, ``sidecar.kv.crossing``)."""
         if block_size <= 0:
             raise GeometryError(f"block size must be positive, got {block_size}")
         mml = model.derived_max_model_len if max_model_len is None else max_model_len
@@ -531,6 +531,12 @@ class KVGeometry:
             decode_in_flight_tokens=max_concurrent_batches + 1,
             state_peak_blocks=2 if mamba_cache_mode == "align" else 1,
         )
+
+    @functools.cached_property
+    def crossing_blocks(self) -> int:
+        """Blocks a decoding sequence holds beyond its decode count at a step that crosses a
+        block boundary: its state groups' second blocks under ``align`` (0 without)."""
+        return (self.state_peak_blocks - 1) * sum(1 for g in self.groups if g.state)
 
     @property
     def page_bytes(self) -> int:
@@ -623,7 +629,8 @@ class KVGeometry:
         self, prompt: npt.NDArray[np.int64], started: bool | npt.NDArray[np.bool_]
     ) -> tuple[npt.NDArray[np.int64] | None, ...]:
         """Per group, each sequence's cap as :meth:`blocks_held` takes it (None: no cap), for
-        its future: a recurrent-state group's at its peak, started or not (:meth:`build`)."""
+        its future: a recurrent-state group's at one block for a decoding sequence, at its
+        peak for one not started (:meth:`build`; the crossings: :attr:`crossing_blocks`)."""
         size, longest = self.block_size, self.max_model_len
         prompt_pages = (prompt + size - 1) // size
         in_flight = np.maximum(1, np.minimum(prompt, self.max_in_flight_tokens))
@@ -632,8 +639,8 @@ class KVGeometry:
             if g.sliding_window is None:
                 out.append(None)
                 continue
-            if g.state:  # a future: the step that crosses a block boundary, started or not
-                out.append(np.full(prompt.shape, self.state_peak_blocks, dtype=np.int64))
+            if g.state:  # not started: its prefill's chunks cross block boundaries
+                out.append(np.where(started, 1, self.state_peak_blocks) + np.zeros_like(prompt))
                 continue
             decode = cdiv(min(g.window - 1 + self.decode_in_flight_tokens, longest), size)
             prefill = (np.minimum(g.window - 1 + in_flight, longest) + size - 1) // size
@@ -676,24 +683,3 @@ class KVGeometry:
     def token_capacity(self, num_blocks: int) -> int:
         """vLLM's ``kv_cache_size_tokens``: max concurrency times max_model_len."""
         return int(self.max_concurrency(num_blocks) * self.max_model_len)
-
-
-def kv_cache_memory_bytes(
-    gpu_memory_gib: float, gpu_memory_utilization: float, weights_gib: float
-) -> int:
-    """Memory left for the KV cache: total x utilization - weights (and other fixed memory)."""
-    if gpu_memory_gib <= 0:
-        raise GeometryError(f"GPU memory must be positive, got {gpu_memory_gib}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise GeometryError(
-            f"GPU memory utilization must be in (0, 1], got {gpu_memory_utilization}"
-        )
-    if weights_gib < 0:
-        raise GeometryError(f"weights size must not be negative, got {weights_gib}")
-    available = gpu_memory_gib * gpu_memory_utilization - weights_gib
-    if available <= 0:
-        raise GeometryError(
-            f"no memory left for the KV cache: {gpu_memory_gib} GiB x {gpu_memory_utilization}"
-            f" - {weights_gib} GiB of weights = {available:.2f} GiB"
-        )
-    return math.floor(available * GIB)

@@ -38,6 +38,7 @@ from typing import cast
 import numpy as np
 
 from sidecar.kv.blocks import BlockMath
+from sidecar.kv.crossing import tolerance_tokens
 from sidecar.kv.lag import StreamLag, lag_blocks
 from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
@@ -156,9 +157,10 @@ class Ledger:
         #: (released at, first token at) of the streamed requests released since the last
         #: :meth:`prefill_share` (bounded: a scrape takes them every interval)
         self._first_tokens: deque[tuple[float, float]] = deque(maxlen=4096)
-        self._profiles: dict[bool, tuple[int, Profile]] = {}
+        self._profiles: dict[bool, tuple[int, Profile, int]] = {}
         self._bounds: dict[bool, Bound] = {}  # the profiles kept past changes, as upper bounds
         self._builds = 0
+        self._crossing = (-1, 0, 0)  # (version, tolerance, :meth:`crossing_blocks`)
         #: how far behind vLLM the streams' visible progress was lately (``sidecar.kv.lag``)
         self.lag = StreamLag()
 
@@ -379,10 +381,13 @@ class Ledger:
         """The in-flight requests' demand profile (``sidecar.kv.rows``), kept until the ledger
         changes."""
         cached = self._profiles.get(worst_case)
-        if cached is not None and cached[0] == self.version:
+        crossing = self.crossing_sequences()
+        if cached is not None and cached[0] == self.version and cached[2] == crossing:
             return cached[1]
-        profile = self._rows.profile(self.blocks, worst_case=worst_case, share=self.share_prefixes)
-        self._profiles[worst_case] = (self.version, profile)
+        profile = self._rows.profile(
+            self.blocks, worst_case=worst_case, share=self.share_prefixes, crossing=crossing
+        )
+        self._profiles[worst_case] = (self.version, profile, crossing)
         self._builds += 1
         self._bounds[worst_case] = Bound(profile, self._builds, [])
         return profile
@@ -506,11 +511,31 @@ class Ledger:
     def peak_with(self, *extra: Reservation, worst_case: bool = False) -> int:
         """The most blocks the requests in flight and ``extra`` (candidates, not started) can
         hold at once from now: :func:`sidecar.kv.trajectory.future_peak` of
-        :meth:`trajectories`, from the columns the ledger keeps."""
+        :meth:`trajectories`, from the columns the ledger keeps, with :meth:`crossing_blocks`."""
         profile = self.profile(worst_case=worst_case)
         if not extra:
             return profile.peak
         return profile.peak_with(extra, self.blocks, worst_case=worst_case)
+
+    def crossing_sequences(self) -> int:
+        """The most started sequences that may cross a block boundary at one step, holding
+        their recurrent-state groups' second blocks then (``sidecar.kv.crossing``; 0 for a
+        model without such groups)."""
+        if self.blocks.crossing_blocks == 0 or self.started_sequences == 0:
+            return 0
+        tolerance = tolerance_tokens(self.lag_tokens())
+        cached = self._crossing
+        if cached[:2] == (self.version, tolerance):
+            return cached[2]
+        sequences = self._rows.crossing_sequences(self.blocks.block_size, tolerance)
+        self._crossing = (self.version, tolerance, sequences)
+        return sequences
+
+    def crossing_blocks(self) -> int:
+        """The most blocks the started sequences hold at one future step beyond what their
+        trajectories lay out (each decoding state group at one block): :meth:`profile` counts
+        them where it is built, a figure computed apart adds these."""
+        return self.blocks.crossing_blocks * self.crossing_sequences()
 
     def trajectories(
         self,

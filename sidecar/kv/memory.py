@@ -358,3 +358,24 @@ def memory_budget(
         activation_bytes=activation_bytes,
         other_bytes=other_bytes,
     )
+
+
+def kv_cache_memory_bytes(
+    gpu_memory_gib: float, gpu_memory_utilization: float, weights_gib: float
+) -> int:
+    """Memory left for the KV cache: total x utilization - weights (and other fixed memory)."""
+    if gpu_memory_gib <= 0:
+        raise GeometryError(f"GPU memory must be positive, got {gpu_memory_gib}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise GeometryError(
+            f"GPU memory utilization must be in (0, 1], got {gpu_memory_utilization}"
+        )
+    if weights_gib < 0:
+        raise GeometryError(f"weights size must not be negative, got {weights_gib}")
+    available = gpu_memory_gib * gpu_memory_utilization - weights_gib
+    if available <= 0:
+        raise GeometryError(
+            f"no memory left for the KV cache: {gpu_memory_gib} GiB x {gpu_memory_utilization}"
+            f" - {weights_gib} GiB of weights = {available:.2f} GiB"
+        )
+    return math.floor(available * GIB)

@@ -35,9 +35,10 @@ import numpy as np
 import numpy.typing as npt
 
 from sidecar.kv.blocks import BlockMath
+from sidecar.kv.crossing import crossing_sequences
 from sidecar.kv.prefix import BlockHashes
 from sidecar.kv.projection import Projection
-from sidecar.kv.trajectory import Arrays, IntArray, _blocks, _profile
+from sidecar.kv.trajectory import Arrays, IntArray, _blocks, _profile, _suffix
 
 
 class Reservation(Protocol):
@@ -47,6 +48,7 @@ class Reservation(Protocol):
     prefix: tuple[BlockHashes, ...] | None
     klass: str
     started: bool
+    streamed: bool
     generated: float
     rows: list[int]
 
@@ -57,7 +59,17 @@ class Reservation(Protocol):
 _FOREVER = math.inf
 
 
-_COLUMNS = ("prompt", "done", "end", "max_end", "weight", "nhash", "started", "klass")
+_COLUMNS = (
+    "prompt",
+    "done",
+    "end",
+    "max_end",
+    "weight",
+    "nhash",
+    "started",
+    "streamed",
+    "klass",
+)
 
 
 class Rows:
@@ -77,6 +89,7 @@ class Rows:
         "prefixed",
         "prompt",
         "started",
+        "streamed",
         "weight",
     )
 
@@ -89,6 +102,7 @@ class Rows:
         self.weight = np.zeros(capacity, dtype=np.int64)  # sequences (n)
         self.nhash = np.zeros(capacity, dtype=np.int64)  # full prompt blocks with a chain hash
         self.started = np.zeros(capacity, dtype=bool)
+        self.streamed = np.zeros(capacity, dtype=bool)  # progress seen (else estimated)
         self.klass = np.zeros(capacity, dtype=np.int64)  # the request class, in ``classes``
         self.classes: dict[str, int] = {}
         self.owner: list[tuple[Reservation, int]] = []
@@ -124,6 +138,7 @@ class Rows:
             self.nhash[r] = hashes
             self.prefixed += hashes > 0
             self.started[r] = res.started
+            self.streamed[r] = res.streamed
             self.klass[r] = self.classes.setdefault(res.klass, len(self.classes))
             self.owner.append((res, i))
             self.multi += i > 0
@@ -163,9 +178,14 @@ class Rows:
 
     # --- the profile ------------------------------------------------------------------------
 
-    def profile(self, blocks: BlockMath, *, worst_case: bool, share: bool) -> Profile:
+    def profile(
+        self, blocks: BlockMath, *, worst_case: bool, share: bool, crossing: int = 0
+    ) -> Profile:
         """The demand profile of every row (``worst_case``: each to its ``max_tokens``);
-        ``share``: vLLM's prefix cache holds shared full prompt blocks once."""
+        ``share``: vLLM's prefix cache holds shared full prompt blocks once; ``crossing``: the
+        most started sequences that cross a block boundary at one step (:meth:`crossing_sequences`),
+        each holding ``blocks.crossing_blocks`` more then, at most those still running at a
+        step."""
         n = self.n
         end = (self.max_end if worst_case else self.end)[:n]
         done = np.minimum(self.done[:n], end)
@@ -176,8 +196,29 @@ class Rows:
             owners = {}
             if self.prefixed:
                 wshared = self._shared(end - done, owners)
-        steps, values = _profile(_split(prompt, done, end, weight, wshared, started), blocks)
+        arrays = _split(prompt, done, end, weight, wshared, started)
+        steps, values = _profile(arrays, blocks)
+        if crossing and blocks.crossing_blocks:
+            left, running = arrays[1], arrays[2]
+            order = np.argsort(left)
+            # the sequences still running at each step (left >= step), no more than cross at once
+            alive = _suffix(running[order])[np.searchsorted(left[order], steps[:-1])]
+            values[:-1] += blocks.crossing_blocks * np.minimum(alive, crossing)
         return Profile(steps, values, owners)
+
+    def crossing_sequences(self, block_size: int, tolerance: int) -> int:
+        """``sidecar.kv.crossing.crossing_sequences`` of the started rows: those streamed by
+        their tokens, the others (progress estimated) as crossing with every class."""
+        n = self.n
+        started, weight = self.started[:n], self.weight[:n]
+        seen = started & self.streamed[:n]
+        return crossing_sequences(
+            (self.prompt[:n] + self.done[:n])[seen],
+            weight[seen],
+            int(weight[started & ~seen].sum()),
+            block_size=block_size,
+            tolerance=tolerance,
+        )
 
     def retry_arrays(
         self, blocks: BlockMath, likely: Callable[[str], int | None] | None, *, share: bool
