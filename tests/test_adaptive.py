@@ -544,3 +544,39 @@ def test_a_burst_of_known_lengths_is_admitted_by_its_trajectories_means() -> Non
     assert admitted(expensive, completion(256, 600), klass) == 9
     plain = request_class("completions", 600)
     assert not wide.reserving.averaged(plain, 256, 600, costs)
+
+
+def test_a_batch_request_stays_out_of_the_priority_reserve_by_its_whole_trajectory() -> None:
+    """Under ``--priority-reserve`` a request of a positive priority is admitted only where its
+    laid-out trajectory fits beside the reserve: not by its mean, not as vLLM admits, and an
+    ``ignore_eos`` answer not from the floor. The burst above (256-token prompts running to
+    600, peaks of 7 blocks, means of 4.5) runs 14 at priority 0 by their means; as a batch
+    (priority 10) beside a reserve of 6 of the 64 blocks, 8 by their peaks (56 <= 58).
+    Where even a certain recompute pays, an ``ignore_eos`` request is reserved from the floor
+    at priority 0 and to its whole 600 tokens as a batch."""
+    klass = request_class("completions", 600, ignore_eos=True)
+    clock = Clock()
+
+    def count(priority: int) -> int:
+        ac = controller(clock, priority_reserve=0.1)
+        _costly(ac, clock, per_token=2e-5, running=512)
+        n = 0
+        while (d := ac.try_admit(Ask(completion(256, 600), True, klass=klass, priority=priority))):
+            assert d.admitted, d
+            n += 1
+        return n
+
+    assert (count(0), count(10)) == (14, 8)
+    floor = request_class("chat", 600, ignore_eos=True)
+    ends = {}
+    for priority in (0, 10):
+        small = controller(clock, priority_reserve=0.1)
+        _costly(small, clock, per_token=3e-4, running=8)
+        d = small.try_admit(Ask(chat(100, 600), True, klass=floor, priority=priority))
+        assert d is not None and d.reservation is not None, d
+        ends[priority] = d.reservation.ends
+    assert ends == {0: (COLD_OUTPUT_TOKENS,), 10: (600,)}, ends
+    # without a reserve a batch request is admitted as any other
+    plain = controller(clock)
+    _costly(plain, clock, per_token=2e-5, running=512)
+    assert plain.try_admit(Ask(completion(256, 600), True, klass=klass, priority=10)) is not None

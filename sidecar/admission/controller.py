@@ -46,7 +46,7 @@ from sidecar.admission.fit import (
     keeps_step_target,
     room_blocks,
 )
-from sidecar.admission.learner import LengthLearner
+from sidecar.admission.learner import LengthLearner, runs_to_max
 from sidecar.admission.pacing import PacedPools
 from sidecar.admission.pools import Pool, Pools, pool_state
 from sidecar.admission.queue import WaitQueue
@@ -250,8 +250,16 @@ class AdmissionController:
         kept = int(budget * self.priority_reserve)
         return max(0, kept - self._favoured.get(pool.engine, 0))
 
+    def _guarded(self, priority: int) -> bool:
+        """Whether a request of ``priority`` stays out of ``--priority-reserve`` by its whole
+        trajectory: admitted only where its laid-out future fits, an ``ignore_eos`` answer
+        reserved to its ``max_tokens`` (admitted as vLLM admits, or from the floor, it grows
+        into the reserve: README, Priority classes)."""
+        return priority > 0 and self.priority_reserve > 0
+
     def _fits(self, pool: Pool, candidate: Reservation, stale: bool, priority: int = 0) -> bool:
-        risked, averaged = self._routes(pool, candidate)
+        guarded = self._guarded(priority)
+        risked, averaged = (False, False) if guarded else self._routes(pool, candidate)
         if not fits(
             pool.ledger,
             candidate,
@@ -305,10 +313,13 @@ class AdmissionController:
     # --- placing ----------------------------------------------------------------------------
 
     def _candidate(self, pool: Pool, ask: Ask) -> Reservation:
+        ends = self.ends(ask.projection, ask.klass, pool.view.costs, len(pool.ledger))
+        if self._guarded(ask.priority) and runs_to_max(ask.klass):
+            ends = tuple(ask.projection.max_tokens)
         return pool.ledger.candidate(
             ask.projection,
             streamed=ask.streamed,
-            ends=self.ends(ask.projection, ask.klass, pool.view.costs, len(pool.ledger)),
+            ends=ends,
             prefix=ask.prefix,
             klass=ask.klass,
         )
