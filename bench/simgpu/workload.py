@@ -49,8 +49,9 @@ LONG_QUEUE_WAIT = 600.0
 #: the priority workload's configurations (issue 23, on this engine): the interactive stream
 #: alone through the default sidecar, vLLM alone (first come, first served), the default
 #: sidecar with one tenant (its plain FIFO queue) and with the classes (the batch tenant at
-#: priority BATCH_PRIORITY under --priority-rules), and the same with --priority-pace 0.1 (the
-#: batch's prompts paced to vLLM's prefill: ``sidecar-classes-paced``);
+#: priority BATCH_PRIORITY under --priority-rules; the batch's prompts paced to vLLM's prefill
+#: at the default --priority-pace 0.1, named once more as ``sidecar-classes-paced``, and not
+#: paced, ``sidecar-classes-unpaced``);
 #: priority (lower first) under --priority-rules; and on a vLLM of their own started with
 #: --scheduling-policy priority, vLLM alone with each request's priority in its body
 #: (``vllm-priority``) and the classes forwarded to it (``sidecar-classes-vllm-priority``)
@@ -60,6 +61,7 @@ PRIORITY_CONFIGS = [
     "sidecar-one-tenant",
     "sidecar-classes",
     "sidecar-classes-paced",
+    "sidecar-classes-unpaced",
     "vllm-priority",
     "sidecar-classes-vllm-priority",
 ]
@@ -69,6 +71,7 @@ PRIORITY_SIDECARS: dict[str, list[str]] = {
     "sidecar-one-tenant": [],
     "sidecar-classes": ["--priority-rules", PRIORITY_RULES],
     "sidecar-classes-paced": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0.1"],
+    "sidecar-classes-unpaced": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0"],
     "sidecar-classes-vllm-priority": ["--priority-rules", PRIORITY_RULES, "--forward-priority"],
 }
 #: vLLM's flags for the configurations that run on a vLLM of their own (by suffix)
