@@ -283,6 +283,10 @@ def test_llama_4_s_long_requests_are_counted_at_their_chunk_not_their_length() -
     ]
     assert g.model.attention_chunks == (8192,) and g.model.sliding_windows == ()
     assert g.blocks_held(100_000, 1_000, started=True) == 6250 + 3 * 106 == 6568
-    window = cdiv(8192 - 1 + 3, 16) + 1  # the chunk, the tokens in flight, the offset
+    window = cdiv(8192 + 3, 16)  # the chunk and the tokens in flight, from a block boundary
     caps = g.window_caps(np.array([1_000]), True)
-    assert sorted(int(c[0]) for c in caps if c is not None) == [window] * 3 == [514] * 3
+    assert sorted(int(c[0]) for c in caps if c is not None) == [window] * 3 == [513] * 3
+    # vLLM's per-request cap (ChunkedLocalAttentionSpec.max_admission_blocks_per_request): the
+    # chunk and a step's tokens in flight, no block for an offset
+    chunked = [cap for cap, grp in zip(g.group_caps, g.groups, strict=True) if grp.chunked]
+    assert chunked == [cdiv(8192 + g.max_in_flight_tokens, 16)] * 3

@@ -574,7 +574,7 @@ class KVGeometry:
             if g.sliding_window is None
             else state
             if g.state
-            else cdiv(min(g.window - 1 + in_flight, longest), size) + 1
+            else int(_windowed_cap(g, in_flight, size, longest))
             for g in self.groups
         )
 
@@ -642,10 +642,10 @@ class KVGeometry:
             if g.state:  # not started: its prefill's chunks cross block boundaries
                 out.append(np.where(started, 1, self.state_peak_blocks) + np.zeros_like(prompt))
                 continue
-            decode = cdiv(min(g.window - 1 + self.decode_in_flight_tokens, longest), size)
-            prefill = (np.minimum(g.window - 1 + in_flight, longest) + size - 1) // size
-            unstarted = np.maximum(decode + 1, np.minimum(prompt_pages, prefill + 1))
-            out.append(np.where(started, decode + 1, unstarted).astype(np.int64))
+            decode = _windowed_cap(g, self.decode_in_flight_tokens, size, longest)
+            prefill = _windowed_cap(g, in_flight, size, longest)
+            unstarted = np.maximum(decode, np.minimum(prompt_pages, prefill))
+            out.append(np.where(started, decode, unstarted).astype(np.int64))
         return tuple(out)
 
     @functools.cached_property
@@ -683,3 +683,16 @@ class KVGeometry:
     def token_capacity(self, num_blocks: int) -> int:
         """vLLM's ``kv_cache_size_tokens``: max concurrency times max_model_len."""
         return int(self.max_concurrency(num_blocks) * self.max_model_len)
+
+
+def _windowed_cap(g: KVGroup, in_flight: Any, size: int, longest: int) -> Any:
+    """The most blocks a sliding or chunked group holds for one sequence with ``in_flight``
+    tokens unprocessed, as vLLM caps it (``max_admission_blocks_per_request``): a sliding
+    window's ``window - 1`` tokens and those in flight, and one block for the window's
+    misalignment; a chunk's tokens and those in flight (its start is a block boundary where
+    the chunk is a multiple of the block, else one block more)."""
+    if g.chunked:
+        tokens, extra = g.window + in_flight, int(g.window % size != 0)
+    else:
+        tokens, extra = g.window - 1 + in_flight, 1
+    return (np.minimum(tokens, longest) + size - 1) // size + extra
