@@ -259,17 +259,18 @@ class Settings(BaseSettings):
     for a batch answer to end (the sidecar never stops a running request). Room those requests
     hold themselves counts against it; into a pool with nothing else in flight any request may
     go. It changes nothing while no request has a positive priority. 0: no reserve."""
-    priority_pace: float = Field(default=0.1, ge=0)
+    priority_pace: float = Field(default=0.0, ge=0)
     """Seconds of prefill a request of a positive priority (a batch class) may find ahead of it
     in vLLM's own first-come queue: such a request is forwarded only while the prompts already
     sent (every priority, each at the learned cost of a prompt token) would be prefilled within
     this, so that a burst of them enters vLLM about as fast as vLLM prefills it and a request of
     priority 0 finds at most this much prefill ahead of it. Under --policy queue and spill (the
     paced request waits in the sidecar's queue); nothing is paced while no request has a
-    positive priority. 0: not paced. On the simulated 8B engine, with batch requests kept out
-    of --priority-reserve by their whole trajectories, 0.1 s cut the interactive class's TTFT
-    p99 beside a batch burst from 1.93 s unpaced to 0.37 s, at 0.99x the batch's goodput
-    (BENCHMARKS.md, Priority classes)."""
+    positive priority. 0 (the default): not paced. With batch requests kept out of
+    --priority-reserve by their whole trajectories, 0.1 s cut the interactive class's TTFT p99
+    beside a batch burst from 1.93 s unpaced to 0.37 s on the simulated 8B engine, at 0.99x
+    the batch's goodput, but raised it from 2.95 to 6.79 s on the real vLLM CPU build at 0.80x
+    the batch's goodput (BENCHMARKS.md, Priority classes): off until it is measured on a GPU."""
     tenant_shares: str | None = None
     """Inside a priority, tenants (the x-kv-sidecar-tenant header, else the API key's digest)
     share the KV cache by weight: comma-separated TENANT=SHARE. Unset: every tenant 1."""

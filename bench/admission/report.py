@@ -399,6 +399,8 @@ PRIORITY_TEXT = {
     "sidecar-classes-capped": f"`--priority-rules {PRIORITY_RULES} --tenant-max-share "
     f"{TENANT_MAX_SHARE:g}` (adaptive): what one tenant may reserve capped, so that the batch "
     "tenant never holds the whole budget",
+    "sidecar-classes-unpaced": f"`--priority-rules {PRIORITY_RULES} --priority-pace 0` "
+    "(adaptive): the batch's prompts not paced into vLLM",
 }
 
 

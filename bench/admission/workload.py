@@ -82,8 +82,9 @@ PRIORITY_CONFIGS = [
     "sidecar-classes-worst-case",
 ]
 #: run only when named in --configs: batch capped at TENANT_MAX_SHARE of the budget (what one
-#: tenant may reserve), so that the interactive class finds room without waiting for a batch answer
-PRIORITY_EXTRA_CONFIGS = ["sidecar-classes-capped"]
+#: tenant may reserve), so that the interactive class finds room without waiting for a batch
+#: answer; and the classes with the batch's prompts not paced into vLLM (--priority-pace 0)
+PRIORITY_EXTRA_CONFIGS = ["sidecar-classes-capped", "sidecar-classes-unpaced"]
 TENANT_MAX_SHARE = 0.8
 PRIORITY_SIDECARS: dict[str, tuple[str | None, list[str]]] = {
     "sidecar-alone": (None, []),
@@ -95,6 +96,7 @@ PRIORITY_SIDECARS: dict[str, tuple[str | None, list[str]]] = {
         None,
         ["--priority-rules", PRIORITY_RULES, "--tenant-max-share", str(TENANT_MAX_SHARE)],
     ),
+    "sidecar-classes-unpaced": (None, ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0"]),
 }
 
 

@@ -49,9 +49,9 @@ LONG_QUEUE_WAIT = 600.0
 #: the priority workload's configurations (issue 23, on this engine): the interactive stream
 #: alone through the default sidecar, vLLM alone (first come, first served), the default
 #: sidecar with one tenant (its plain FIFO queue) and with the classes (the batch tenant at
-#: priority BATCH_PRIORITY under --priority-rules; the batch's prompts paced to vLLM's prefill
-#: at the default --priority-pace 0.1, named once more as ``sidecar-classes-paced``, and not
-#: paced, ``sidecar-classes-unpaced``);
+#: priority BATCH_PRIORITY under --priority-rules; not paced, the default, named once more as
+#: ``sidecar-classes-unpaced``), and the same with --priority-pace 0.1 (the batch's prompts
+#: paced to vLLM's prefill: ``sidecar-classes-paced``);
 #: priority (lower first) under --priority-rules; and on a vLLM of their own started with
 #: --scheduling-policy priority, vLLM alone with each request's priority in its body
 #: (``vllm-priority``) and the classes forwarded to it (``sidecar-classes-vllm-priority``)
