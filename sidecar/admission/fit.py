@@ -214,7 +214,8 @@ def spread_fits(
     arrays = [np.asarray(w, dtype=np.int64) for w in windows]
     z = _NORMAL.inv_cdf(quantile)
     peak = spread_peak(rows, arrays, ledger.blocks, z=z, start_slack=SPREAD_START_SLACK)
-    peak += ledger.crossing_blocks()  # the laid-out rows hold a decoding state group at one
+    # the spread rows hold a decoding sequence's state groups at one block: add the crossings
+    peak += ledger.crossing_blocks()
     budget = full - max(0, reserve_blocks)
     return committed_blocks(peak, pool, prompt_blocks=candidate.projection.prompt_blocks) <= budget
 

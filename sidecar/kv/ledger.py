@@ -160,7 +160,7 @@ class Ledger:
         self._profiles: dict[bool, tuple[int, Profile, int]] = {}
         self._bounds: dict[bool, Bound] = {}  # the profiles kept past changes, as upper bounds
         self._builds = 0
-        self._crossing = (-1, 0, 0)  # (version, tolerance, :meth:`crossing_blocks`)
+        self._crossing = (-1, 0, 0)  # (version, tolerance, :meth:`crossing_sequences`)
         #: how far behind vLLM the streams' visible progress was lately (``sidecar.kv.lag``)
         self.lag = StreamLag()
 
@@ -511,7 +511,8 @@ class Ledger:
     def peak_with(self, *extra: Reservation, worst_case: bool = False) -> int:
         """The most blocks the requests in flight and ``extra`` (candidates, not started) can
         hold at once from now: :func:`sidecar.kv.trajectory.future_peak` of
-        :meth:`trajectories`, from the columns the ledger keeps, with :meth:`crossing_blocks`."""
+        :meth:`trajectories`, from the columns the ledger keeps (:meth:`profile`: the state
+        groups' crossings included)."""
         profile = self.profile(worst_case=worst_case)
         if not extra:
             return profile.peak
