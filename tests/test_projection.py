@@ -67,15 +67,16 @@ def test_sliding_window_model_projects_capped_blocks() -> None:
         max_num_batched_tokens=64,
         max_concurrent_batches=1,
     )
-    # a short prompt: its most is what it holds as it decodes, the window and two tokens in
-    # flight (the one scheduled, one unsettled step's), one block more for the window's offset
+    # a short prompt: its most is what it holds as it decodes, the blocks its window and the
+    # token it schedules span (one step at a time: no unsettled step's token), 256 tokens
+    # across 17 blocks where the window does not start on a block boundary
     p = project_counts((100,), requested_max_tokens=5000, n=1, max_model_len=8192, blocks=geo)
-    assert p.peak_blocks == -(-(256 - 1 + 2) // 16) + 1 == 18
+    assert p.peak_blocks == -(-(256 - 1) // 16) + 1 == 17
     assert p.prompt_blocks == -(-100 // 16) == 7
     # a long prompt, prefilled in chunks of 64: the window and one chunk, vLLM's own cap
     p = project_counts((1000,), requested_max_tokens=5000, n=1, max_model_len=8192, blocks=geo)
     assert p.peak_blocks == p.prompt_blocks == -(-(256 - 1 + 64) // 16) + 1 == 21
-    assert p.blocks_at(10, geo) == 18  # once it decodes, the decode step's
+    assert p.blocks_at(10, geo) == 17  # once it decodes, the decode step's
 
 
 def test_estimated_counts_are_capped_not_refused() -> None:

@@ -69,7 +69,7 @@ def vllm_held(
     batched=st.sampled_from([64, 512, 2048, 8192]),
     batches=st.sampled_from([1, 2]),
 )
-def test_the_count_bounds_what_vllm_holds_and_is_within_two_blocks_of_it(
+def test_the_count_bounds_what_vllm_holds_and_is_within_a_block_of_it(
     window: int, size: int, prompt: int, batched: int, batches: int
 ) -> None:
     geo = geometry(window, size, batched, batches, mml=8192)
@@ -83,7 +83,10 @@ def test_the_count_bounds_what_vllm_holds_and_is_within_two_blocks_of_it(
         n = prompt + g
         assert geo.blocks_held(n, prompt, started=False) >= held
         ours = geo.blocks_held(n, prompt, started=True)
-        assert low <= held <= ours <= low + 2, (g, held, low, ours)
+        # the span of the window's tokens: a block above what the sequence holds settled at
+        # an aligned position, never more (vLLM's own cap formula is a block above that again
+        # where the window is a multiple of the block)
+        assert low <= held <= ours <= low + 1, (g, held, low, ours)
     # the lifetime cap (vLLM's admission cap) bounds both
     assert geo.blocks_held(prompt + steps, prompt, started=False) <= geo.blocks_for_tokens(
         prompt + steps

@@ -468,9 +468,9 @@ class KVGeometry:
     groups: tuple[KVGroup, ...]
     layers_per_group: int
     max_in_flight_tokens: int
-    #: tokens in flight for a decoding sequence: the one it schedules and one a concurrent batch
-    #: (vLLM frees on the processed-token basis, so an unsettled step keeps its window's blocks)
-    decode_in_flight_tokens: int = DEFAULT_MAX_CONCURRENT_BATCHES + 1
+    #: tokens a decoding sequence has scheduled past what vLLM settled, at most one a concurrent
+    #: batch (vLLM frees on the processed-token basis: an unsettled step keeps its window's blocks)
+    decode_in_flight_tokens: int = DEFAULT_MAX_CONCURRENT_BATCHES
     #: blocks a recurrent-state group holds for a request at most (a step that crosses a block
     #: boundary: prefill chunks, and decode steps every ``block_size`` tokens); at the other
     #: steps of its decode, one; see :meth:`build`
@@ -528,7 +528,7 @@ class KVGeometry:
             groups=tuple(groups),
             layers_per_group=max(g.num_layers for g in groups),
             max_in_flight_tokens=max_num_batched_tokens * max_concurrent_batches,
-            decode_in_flight_tokens=max_concurrent_batches + 1,
+            decode_in_flight_tokens=max_concurrent_batches,
             state_peak_blocks=2 if mamba_cache_mode == "align" else 1,
         )
 
@@ -565,16 +565,16 @@ class KVGeometry:
     @functools.cached_property
     def _decode_caps(self) -> tuple[int | None, ...]:
         """Per group, what a decoding sequence holds at most now (None: no cap)."""
-        return self._caps(self.decode_in_flight_tokens, 1)
+        return self._caps(self.decode_in_flight_tokens, 1, span=True)
 
-    def _caps(self, in_flight: int, state: int) -> tuple[int | None, ...]:
+    def _caps(self, in_flight: int, state: int, *, span: bool = False) -> tuple[int | None, ...]:
         size, longest = self.block_size, self.max_model_len
         return tuple(
             None
             if g.sliding_window is None
             else state
             if g.state
-            else int(_windowed_cap(g, in_flight, size, longest))
+            else int(_windowed_cap(g, in_flight, size, longest, span=span))
             for g in self.groups
         )
 
@@ -594,7 +594,7 @@ class KVGeometry:
         >>> g.blocks_for_tokens(1200), g.blocks_held(1200, 600, started=False)
         (38, 19)
         >>> g.blocks_held(1200, 600, started=True), g.blocks_held(100, 100, started=False)
-        (10, 4)
+        (9, 4)
         """
         if num_tokens <= 0:
             return 0
@@ -604,7 +604,7 @@ class KVGeometry:
         decode = self._decode_caps
         if started:
             if self._chunked:  # the current chunk's blocks, as far as vLLM has processed
-                done = max(0, num_tokens - self.decode_in_flight_tokens)
+                done = max(0, num_tokens - self.decode_in_flight_tokens - 1)
                 return sum(
                     pages
                     if cap is None
@@ -642,7 +642,7 @@ class KVGeometry:
             if g.state:  # not started: its prefill's chunks cross block boundaries
                 out.append(np.where(started, 1, self.state_peak_blocks) + np.zeros_like(prompt))
                 continue
-            decode = _windowed_cap(g, self.decode_in_flight_tokens, size, longest)
+            decode = _windowed_cap(g, self.decode_in_flight_tokens, size, longest, span=True)
             prefill = _windowed_cap(g, in_flight, size, longest)
             unstarted = np.maximum(decode, np.minimum(prompt_pages, prefill))
             out.append(np.where(started, decode, unstarted).astype(np.int64))
@@ -685,14 +685,16 @@ class KVGeometry:
         return int(self.max_concurrency(num_blocks) * self.max_model_len)
 
 
-def _windowed_cap(g: KVGroup, in_flight: Any, size: int, longest: int) -> Any:
+def _windowed_cap(g: KVGroup, in_flight: Any, size: int, longest: int, span: bool = False) -> Any:
     """The most blocks a sliding or chunked group holds for one sequence with ``in_flight``
     tokens unprocessed, as vLLM caps it (``max_admission_blocks_per_request``): a sliding
     window's ``window - 1`` tokens and those in flight, and one block for the window's
     misalignment; a chunk's tokens and those in flight (its start is a block boundary where
-    the chunk is a multiple of the block, else one block more)."""
-    if g.chunked:
-        tokens, extra = g.window + in_flight, int(g.window % size != 0)
-    else:
-        tokens, extra = g.window - 1 + in_flight, 1
+    the chunk is a multiple of the block, else one block more). ``span``: the blocks a run of
+    the window's tokens spans, ``cdiv(tokens - 1, size) + 1``, one below vLLM's cap where the run
+    is one past a multiple of the block (a decode's window under async scheduling)."""
+    tokens = g.window + in_flight - (0 if g.chunked else 1)
+    if span and not g.chunked:
+        return (np.minimum(tokens, longest) - 2) // size + 2
+    extra = int(g.window % size != 0) if g.chunked else 1
     return (np.minimum(tokens, longest) + size - 1) // size + extra
