@@ -73,6 +73,14 @@ S, F = STATE, None
             2,
             (-32, F),
         ),
+        # Falcon-H1: every decoder layer an attention branch beside a Mamba 2 one
+        ({"model_type": "falcon_h1"}, 2, (S, F, S, F)),
+        # Zamba2: every layer a Mamba 2 mixer, the hybrid ones the shared attention too
+        (
+            {"model_type": "zamba2", "layers_block_type": ["mamba", "hybrid", "mamba"]},
+            3,
+            (S, S, F, S),
+        ),
         # a full-attention model is unchanged
         ({"model_type": "llama"}, 2, (F, F)),
     ],
@@ -86,7 +94,13 @@ def test_layer_kinds_are_read_from_each_family_s_config(
 @pytest.mark.parametrize(
     ("cfg", "message"),
     [
-        ({"model_type": "falcon_h1"}, "cannot read the layer layout of a 'falcon_h1' model"),
+        ({"model_type": "plamo2"}, "cannot read the layer layout of a 'plamo2' model"),
+        ({"model_type": "zamba"}, "cannot read the layer layout of a 'zamba' model"),
+        ({"model_type": "zamba2"}, "'layers_block_type' must give mamba or hybrid"),
+        (
+            {"model_type": "zamba2", "layers_block_type": ["mamba", "attention", "mamba"]},
+            "'layers_block_type' must give mamba or hybrid",
+        ),
         ({"hybrid_override_pattern": "M*X"}, "'hybrid_override_pattern' must give one of"),
         ({"hybrid_override_pattern": "M*"}, "'hybrid_override_pattern' must give one of"),
         ({"layer_types": ["chunked_attention"] * 3}, "'attention_chunk_size' must be a positive"),
@@ -290,3 +304,55 @@ def test_llama_4_s_long_requests_are_counted_at_their_chunk_not_their_length() -
     # chunk and a step's tokens in flight, no block for an offset
     chunked = [cap for cap, grp in zip(g.group_caps, g.groups, strict=True) if grp.chunked]
     assert chunked == [cdiv(8192 + g.max_in_flight_tokens, 16)] * 3
+
+
+#: Falcon-H1-7B-shaped (44 parallel-hybrid layers, 2 KV heads of 128) and Zamba2-7B-shaped (81
+#: Mamba 2 layers, 13 of them hybrid; the shared attention's 32 heads of 224, on twice the
+#: hidden size): only the fields the geometry reads
+FALCON_H1 = {
+    "model_type": "falcon_h1",
+    "num_hidden_layers": 44,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "hidden_size": 3072,
+    "max_position_embeddings": 262144,
+    "torch_dtype": "bfloat16",
+}
+ZAMBA2 = {
+    "model_type": "zamba2",
+    "num_hidden_layers": 81,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "attention_head_dim": 224,
+    "hidden_size": 3584,
+    "layers_block_type": ["hybrid" if i % 6 == 5 else "mamba" for i in range(81)],
+    "max_position_embeddings": 16384,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(
+    ("cfg", "groups", "bytes_per_layer"),
+    [
+        # vLLM's grouping: 44 attention and 44 state layers, one group of each
+        (FALCON_H1, [(S, 44), (F, 44)], 2 * (128 + 128) * 2),
+        # 81 state layers and 13 attention ones: groups of 13 (81 > 1.5 x 13), so
+        # cdiv(81, 13) = 7 state groups and one of attention
+        (ZAMBA2, [(S, 12)] * 4 + [(S, 11)] * 3 + [(F, 13)], 32 * (224 + 224) * 2),
+    ],
+)
+def test_two_branch_hybrids_are_grouped_as_vllm_groups_them(
+    cfg: dict[str, Any], groups: list[tuple[int | None, int]], bytes_per_layer: int
+) -> None:
+    """Falcon-H1 and Zamba2, once counted as full attention in one group (their pages once, no
+    state block): each decoding request now holds its pages in the attention group and a block
+    in each state group, two at a step that crosses a block boundary under ``align``."""
+    kv = ModelKV.from_config(cfg)
+    assert kv.bytes_per_token_per_layer == bytes_per_layer
+    geo = KVGeometry.build(kv, block_size=1024, max_model_len=16384, mamba_cache_mode="align")
+    assert [(g.sliding_window, g.num_layers) for g in geo.groups] == groups
+    states = sum(1 for g in geo.groups if g.sliding_window == STATE)
+    assert geo.blocks_held(3000, 2000, started=True) == cdiv(3000, 1024) + states
+    assert geo.blocks_held(3000, 2000, started=False) == cdiv(3000, 1024) + 2 * states
+    assert geo.crossing_blocks == states

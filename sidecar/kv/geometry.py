@@ -333,11 +333,12 @@ class ModelKV:
                 if cfg.get(key) is not None:
                     kv_heads_total = _positive_int(cfg, key) or heads
                     break
-            explicit_head = cfg.get("head_dim")
+            head_key = "attention_head_dim" if model_type == "zamba2" else "head_dim"
+            explicit_head = cfg.get(head_key)  # Zamba2: its attention's, on twice the hidden
             if explicit_head is not None and not (
-                isinstance(explicit_head, int) and explicit_head == 0
+                explicit_head == 0 and type(explicit_head) is int
             ):
-                head_size = _positive_int(cfg, "head_dim") or 0
+                head_size = _positive_int(cfg, head_key) or 0
             else:
                 hidden = _positive_int(cfg, "hidden_size")
                 assert hidden is not None
@@ -687,12 +688,11 @@ class KVGeometry:
 
 def _windowed_cap(g: KVGroup, in_flight: Any, size: int, longest: int, span: bool = False) -> Any:
     """The most blocks a sliding or chunked group holds for one sequence with ``in_flight``
-    tokens unprocessed, as vLLM caps it (``max_admission_blocks_per_request``): a sliding
-    window's ``window - 1`` tokens and those in flight, and one block for the window's
-    misalignment; a chunk's tokens and those in flight (its start is a block boundary where
-    the chunk is a multiple of the block, else one block more). ``span``: the blocks a run of
-    the window's tokens spans, ``cdiv(tokens - 1, size) + 1``, one below vLLM's cap where the run
-    is one past a multiple of the block (a decode's window under async scheduling)."""
+    tokens unprocessed, as vLLM caps it (``max_admission_blocks_per_request``): a window's
+    ``window - 1`` tokens and those in flight, and a block for the window's misalignment; a
+    chunk's tokens and those in flight (and a block more where the chunk is not a multiple of
+    the block). ``span``: the blocks a run of the window's tokens spans, ``cdiv(tokens - 1,
+    size) + 1``, a block below vLLM's cap where the run is one past a multiple of the block."""
     tokens = g.window + in_flight - (0 if g.chunked else 1)
     if span and not g.chunked:
         return (np.minimum(tokens, longest) - 2) // size + 2

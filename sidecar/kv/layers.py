@@ -10,7 +10,9 @@ A layer is one of three kinds here, as ``sidecar.kv.geometry`` counts its blocks
   vLLM's ``MambaSpec``, a fixed number of blocks a request whatever its length
   (``MambaManager``).
 
-Layers that keep nothing (NemotronH's MLP and MoE layers) are left out. A layout this module
+Layers that keep nothing (NemotronH's MLP and MoE layers) are left out. A decoder layer that
+keeps both (Falcon-H1's, Zamba2's hybrid layers: an attention branch and a Mamba 2 one) gives
+two entries, a state and a full-attention one (:func:`_two_branch`). A layout this module
 cannot read raises :class:`GeometryError`, so that the sidecar says so rather than counting a
 hybrid model as full attention.
 
@@ -20,6 +22,8 @@ hybrid model as full attention.
 (0, 0, None)
 >>> layer_windows({"layer_types": ["chunked_attention"], "attention_chunk_size": 8192}, 1)
 (-8192,)
+>>> layer_windows({"model_type": "zamba2", "layers_block_type": ["mamba", "hybrid"]}, 2)
+(0, 0, None)
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ _STATE_NAMES = frozenset({"linear_attention", "mamba", "mamba2", "conv"})
 #: NemotronH's ``hybrid_override_pattern``: ``M`` Mamba 2, ``*`` attention, ``-`` MLP, ``E`` MoE.
 _PATTERN = {"M": STATE, "*": None, "-": "skip", "E": "skip"}
 
-#: Families whose layers keep a recurrent state but whose layout this module does not read.
-_UNREAD_STATE_TYPES = ("falcon_h1", "zamba", "plamo2", "minimax_text_01", "minimax_m1")
+#: Families whose layers keep a recurrent state but whose layout this module does not read (vLLM
+#: 0.32 serves none of them; Zamba 1, not Zamba2, whose layout :func:`_two_branch` reads).
+_UNREAD_STATE_TYPES = ("zamba", "plamo2", "minimax_text_01", "minimax_m1")
 
 
 def _window(cfg: Mapping[str, Any]) -> int | None:
@@ -115,9 +120,39 @@ def _named_types(cfg: Mapping[str, Any], num_layers: int, window: int | None) ->
     return [SLIDING_ATTENTION] * num_layers  # Mistral style: every layer slides
 
 
+def _two_branch(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...] | None:
+    """The layers of a model whose decoder layers run an attention branch beside a Mamba 2 one
+    (None for any other model), each such layer a state and a full-attention entry, as vLLM
+    0.32 builds them: Falcon-H1 (``FalconH1ParallelHybrid``: every layer both, its Mamba
+    branch's cache named as layer ``num_hidden_layers + i``), Zamba2 (every layer a Mamba 2
+    mixer; those ``layers_block_type`` calls ``hybrid`` also the shared transformer, whose
+    attention has a cache of its own at each such layer, ``Zamba2Attention.dpa_list``)."""
+    model_type = str(cfg.get("model_type", ""))
+    if model_type == "falcon_h1":
+        return (STATE, None) * num_layers
+    if model_type != "zamba2":
+        return None
+    kinds = cfg.get("layers_block_type")
+    if (
+        not isinstance(kinds, Sequence)
+        or isinstance(kinds, str)
+        or len(kinds) < num_layers
+        or any(k not in ("mamba", "hybrid") for k in kinds[:num_layers])
+    ):
+        raise GeometryError(
+            f"'layers_block_type' must give mamba or hybrid for each of the {num_layers} layers"
+        )
+    return tuple(
+        w for k in kinds[:num_layers] for w in ((STATE, None) if k == "hybrid" else (STATE,))
+    )
+
+
 def layer_windows(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ...]:
     """Each layer's kind, following the model's config: None (full attention), a sliding
     window, or :data:`STATE`; layers that keep nothing are left out."""
+    branches = _two_branch(cfg, num_layers)
+    if branches is not None:
+        return branches
     window = _window(cfg)
     hybrid = cfg.get("hybrid_override_pattern")
     if isinstance(hybrid, str) and hybrid:
