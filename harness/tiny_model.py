@@ -149,7 +149,8 @@ def build_config(out: Path) -> None:
 #: model (a small mixture of experts) whose first three of four layers are gated delta-net linear
 #: attention, a recurrent state (vLLM's ``MambaSpec``), and the fourth full attention;
 #: ``chunked``, a Llama 4 text model whose first three of four layers attend within chunks of 256
-#: tokens (chunked local attention) and the fourth to everything
+#: tokens (chunked local attention) and the fourth to everything; ``falcon``, a Falcon-H1 model
+#: whose two layers each run an attention branch beside a Mamba 2 one
 VARIANTS: dict[str, dict[str, Any]] = {
     "sliding": dict(
         model_type="mistral",
@@ -190,6 +191,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=1,
         interleave_moe_layer_step=1,
     ),
+    "falcon": dict(
+        model_type="falcon_h1",
+        architectures=["FalconH1ForCausalLM"],
+        max_position_embeddings=4096,
+        mamba_d_ssm=256,
+        mamba_n_heads=4,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_chunk_size=64,
+    ),
     "mixed": dict(
         model_type="gemma2",
         architectures=["Gemma2ForCausalLM"],
@@ -219,6 +233,8 @@ def build_weights(model_dir: Path) -> None:
 
     import torch
     from transformers import (
+        FalconH1Config,
+        FalconH1ForCausalLM,
         Gemma2Config,
         Gemma2ForCausalLM,
         Llama4ForCausalLM,
@@ -240,6 +256,8 @@ def build_weights(model_dir: Path) -> None:
         model = Gemma2ForCausalLM(Gemma2Config.from_pretrained(model_dir))
     elif kind == "llama4_text":
         model = Llama4ForCausalLM(Llama4TextConfig.from_pretrained(model_dir))
+    elif kind == "falcon_h1":
+        model = FalconH1ForCausalLM(FalconH1Config.from_pretrained(model_dir))
     elif kind == "qwen3_next":
         model = Qwen3NextForCausalLM(Qwen3NextConfig.from_pretrained(model_dir))
     else:

@@ -1,0 +1,114 @@
+"""A two-branch hybrid model on the real vLLM: Falcon-H1, whose every decoder layer runs an
+attention branch beside a Mamba 2 one (``FalconH1ParallelHybrid``), so that vLLM keeps an
+attention cache and a recurrent state for each layer, in two groups of the hybrid allocator
+(``sidecar.kv.layers``). Until d2790d9 the sidecar could not read such a config and counted the
+model as full attention in one group: each request a block short, its state's.
+
+The harness's ``falcon`` variant (``harness.tiny_model.VARIANTS``: two such layers, a 4k
+context) is served with prefix caching off (vLLM's ``mamba_cache_mode`` ``none``: a state group
+holds one block a request): with it on, vLLM 0.32's CPU Mamba 2 mixer fails its first batched
+step (``IndexError`` in ``conv_ssm_forward``), on this build only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from harness.exposition import cache_config_labels
+from harness.vllm_cpu import VllmServer, ensure_model
+from harness.vllm_info import VllmInfo
+from harness.workload import SidecarProcess, make_prompts
+from sidecar.kv.geometry import KVGeometry, ModelKV, cdiv, load_config
+from tests.support.stepped import admitted, frozen_engine
+from tests.support.vllm_idle import idle_preemptions
+
+pytestmark = pytest.mark.vllm
+
+PROMPT_TOKENS = 600
+MAX_TOKENS = 3000
+REQUESTS = 4
+#: a pool whose budget (less the 5% headroom) holds two such requests with their state blocks
+#: and three without
+POOL = 93
+
+
+@pytest.fixture(scope="module")
+def falcon_vllm() -> Iterator[VllmInfo]:
+    server = VllmServer(
+        num_gpu_blocks=POOL,
+        max_model_len=4096,
+        model_dir=ensure_model(variant="falcon"),
+        served_name="tiny-falcon",
+        extra_args=["--no-enable-prefix-caching"],
+    )
+    with server:
+        yield server.info()
+
+
+def test_the_groups_are_vllm_s(falcon_vllm: VllmInfo) -> None:
+    """The geometry built from the config and vLLM's ``cache_config_info`` has one attention
+    group and one state group of two layers each, and gives vLLM's own startup figure,
+    ``kv_cache_max_concurrency``: the pool over one request of the whole context, its pages
+    and its state's block (one group of full attention alone gives another)."""
+    assert falcon_vllm.model_dir is not None
+    info = cache_config_labels(httpx.get(falcon_vllm.url + "/metrics", timeout=10).text)
+    assert info["mamba_cache_mode"] == "none", info
+    geometry = KVGeometry.build(
+        ModelKV.from_config(load_config(falcon_vllm.model_dir / "config.json")),
+        block_size=int(info["block_size"]),
+        max_model_len=falcon_vllm.max_model_len,
+        mamba_cache_mode=info["mamba_cache_mode"],
+    )
+    assert sorted((g.state, g.num_layers) for g in geometry.groups) == [(False, 2), (True, 2)]
+    reported = float(info["kv_cache_max_concurrency"])
+    blocks = int(info["num_gpu_blocks"])
+    assert geometry.max_concurrency(blocks) == pytest.approx(reported)
+    pages = cdiv(falcon_vllm.max_model_len, geometry.block_size)
+    assert blocks / pages != pytest.approx(reported)  # the state's block counts
+
+
+def test_worst_case_admits_what_the_pool_holds_with_the_state_blocks(
+    falcon_vllm: VllmInfo,
+) -> None:
+    """Four 600-token prompts with 3,000 tokens to generate each, sent at once through
+    worst-case mode: each is reserved at its pages and its state's block, so two run at once
+    where the pages alone would have let three in; all four complete in full, and vLLM
+    preempts nothing."""
+    assert falcon_vllm.model_dir is not None
+    before = idle_preemptions(falcon_vllm.url)
+    prompts = make_prompts(falcon_vllm.model_dir, REQUESTS, PROMPT_TOKENS, seed=5)
+    answers: list[tuple[int, int]] = []
+
+    def send(prompt: str) -> None:
+        r = httpx.post(
+            sc.url + "/v1/completions",
+            json={
+                "model": falcon_vllm.served_name,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "ignore_eos": True,
+            },
+            timeout=600,
+        )
+        tokens = r.json().get("usage", {}).get("completion_tokens", -1) if r.is_success else -1
+        answers.append((r.status_code, tokens))
+
+    with SidecarProcess(falcon_vllm.url, "--reservation", "worst-case", "--policy", "queue") as sc:
+        threads = [threading.Thread(target=send, args=(p,), daemon=True) for p in prompts]
+        with frozen_engine(falcon_vllm):
+            for t in threads:
+                t.start()
+            state = admitted(sc, REQUESTS)
+        block = falcon_vllm.block_size
+        each = cdiv(PROMPT_TOKENS + MAX_TOKENS, block) + 1  # its pages and its state's block
+        budget = state["budget_blocks"]
+        assert state["in_flight"] == budget // each == 2 < budget // (each - 1), (state, block)
+        assert state["reserved_blocks"] == 2 * each, state
+        for t in threads:
+            t.join(timeout=600)
+    assert answers == [(200, MAX_TOKENS)] * REQUESTS
+    assert idle_preemptions(falcon_vllm.url) == before
