@@ -150,7 +150,8 @@ def build_config(out: Path) -> None:
 #: attention, a recurrent state (vLLM's ``MambaSpec``), and the fourth full attention;
 #: ``chunked``, a Llama 4 text model whose first three of four layers attend within chunks of 256
 #: tokens (chunked local attention) and the fourth to everything; ``falcon``, a Falcon-H1 model
-#: whose two layers each run an attention branch beside a Mamba 2 one
+#: whose two layers each run an attention branch beside a Mamba 2 one; ``zamba``, a Zamba2 model
+#: of four Mamba 2 layers, the second and fourth running the shared attention block too
 VARIANTS: dict[str, dict[str, Any]] = {
     "sliding": dict(
         model_type="mistral",
@@ -204,6 +205,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
         mamba_expand=1,
         mamba_chunk_size=64,
     ),
+    "zamba": dict(
+        model_type="zamba2",
+        architectures=["Zamba2ForCausalLM"],
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        hybrid_layer_ids=[1, 3],
+        num_key_value_heads=4,
+        head_dim=128,  # the shared attention's, on twice the hidden size (as attention_head_dim)
+        attention_head_dim=128,
+        hidden_act="gelu",  # vLLM's Zamba2 MLP supports only GELU
+        max_position_embeddings=4096,
+        num_mem_blocks=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_ngroups=1,
+        mamba_headdim=64,
+        n_mamba_heads=8,
+        chunk_size=64,
+        use_shared_attention_adapter=False,
+        use_mem_rope=True,
+    ),
     "mixed": dict(
         model_type="gemma2",
         architectures=["Gemma2ForCausalLM"],
@@ -245,6 +268,8 @@ def build_weights(model_dir: Path) -> None:
         MistralForCausalLM,
         Qwen3NextConfig,
         Qwen3NextForCausalLM,
+        Zamba2Config,
+        Zamba2ForCausalLM,
     )
 
     torch.manual_seed(0)
@@ -258,6 +283,8 @@ def build_weights(model_dir: Path) -> None:
         model = Llama4ForCausalLM(Llama4TextConfig.from_pretrained(model_dir))
     elif kind == "falcon_h1":
         model = FalconH1ForCausalLM(FalconH1Config.from_pretrained(model_dir))
+    elif kind == "zamba2":
+        model = Zamba2ForCausalLM(Zamba2Config.from_pretrained(model_dir))
     elif kind == "qwen3_next":
         model = Qwen3NextForCausalLM(Qwen3NextConfig.from_pretrained(model_dir))
     else:

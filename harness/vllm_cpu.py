@@ -169,7 +169,8 @@ def ensure_model(*, variant: str = "") -> Path:
     window; ``mixed``, Gemma-2-shaped, a window and full attention alternating; ``hybrid``,
     Qwen3-Next-shaped, three linear-attention layers and one full; ``chunked``, Llama-4-shaped,
     three layers of chunked local attention and one full; ``falcon``, Falcon-H1-shaped, two layers
-    each with an attention branch beside a Mamba 2 one)."""
+    each with an attention branch beside a Mamba 2 one; ``zamba``, Zamba2-shaped, four Mamba 2
+    layers, two of them with the shared attention block)."""
     out = CACHE / "models" / f"tiny-{_generator_digest()}{'-' + variant if variant else ''}"
     if (out / "config.json").exists():  # renamed into place whole: present means complete
         return out

@@ -75,11 +75,17 @@ S, F = STATE, None
         ),
         # Falcon-H1: every decoder layer an attention branch beside a Mamba 2 one
         ({"model_type": "falcon_h1"}, 2, (S, F, S, F)),
-        # Zamba2: every layer a Mamba 2 mixer, the hybrid ones the shared attention too
+        # Zamba2: every layer a Mamba 2 mixer, the hybrid ones the shared attention too (the
+        # others are mamba as published, linear_attention as transformers 5 writes them)
         (
             {"model_type": "zamba2", "layers_block_type": ["mamba", "hybrid", "mamba"]},
             3,
             (S, S, F, S),
+        ),
+        (
+            {"model_type": "zamba2", "layers_block_type": ["linear_attention", "hybrid"]},
+            2,
+            (S, S, F),
         ),
         # a full-attention model is unchanged
         ({"model_type": "llama"}, 2, (F, F)),
@@ -96,10 +102,10 @@ def test_layer_kinds_are_read_from_each_family_s_config(
     [
         ({"model_type": "plamo2"}, "cannot read the layer layout of a 'plamo2' model"),
         ({"model_type": "zamba"}, "cannot read the layer layout of a 'zamba' model"),
-        ({"model_type": "zamba2"}, "'layers_block_type' must give mamba or hybrid"),
+        ({"model_type": "zamba2"}, "'layers_block_type' must name the block type of each"),
         (
-            {"model_type": "zamba2", "layers_block_type": ["mamba", "attention", "mamba"]},
-            "'layers_block_type' must give mamba or hybrid",
+            {"model_type": "zamba2", "layers_block_type": ["mamba", "hybrid"]},
+            "'layers_block_type' must name the block type of each of the 3 layers",
         ),
         ({"hybrid_override_pattern": "M*X"}, "'hybrid_override_pattern' must give one of"),
         ({"hybrid_override_pattern": "M*"}, "'hybrid_override_pattern' must give one of"),

@@ -137,11 +137,13 @@ def _two_branch(cfg: Mapping[str, Any], num_layers: int) -> tuple[int | None, ..
         not isinstance(kinds, Sequence)
         or isinstance(kinds, str)
         or len(kinds) < num_layers
-        or any(k not in ("mamba", "hybrid") for k in kinds[:num_layers])
+        or not all(isinstance(k, str) for k in kinds[:num_layers])
     ):
         raise GeometryError(
-            f"'layers_block_type' must give mamba or hybrid for each of the {num_layers} layers"
+            f"'layers_block_type' must name the block type of each of the {num_layers} layers"
         )
+    # as vLLM reads it: a hybrid layer, else a Mamba 2 one (transformers 5 writes those
+    # linear_attention)
     return tuple(
         w for k in kinds[:num_layers] for w in ((STATE, None) if k == "hybrid" else (STATE,))
     )
