@@ -4,16 +4,16 @@ for them.
 Two variants of the harness's tiny model (``harness.tiny_model.VARIANTS``), each served with
 blocks of 32 tokens, a 4k context and 400 blocks: ``sliding``, Mistral-shaped, every layer
 attending to the last 256 tokens; ``mixed``, Gemma-2-shaped, a 256-token window and full
-attention alternating (vLLM's hybrid allocator: a block holds a page of one group, and a
-request takes blocks from both). vLLM frees the blocks that fall out of a sequence's window as it
-goes (``SlidingWindowManager.remove_skipped_blocks``): a sliding group holds a sequence's
-prompt's blocks while it prefills, then the window and the tokens in flight, 9-10 blocks,
-however long it runs; a full group, every token's. Until this test's change the sidecar counted
-the sliding group like a full one (its cap, the window plus a whole step's chunk, is above
-these lengths): 113 blocks for a 600-token prompt and 3,000 tokens of answer, so with that
-counting worst-case mode admits three of the ``sliding`` variant's four answers at once (vLLM
-holds all four in 40 blocks) and one of the ``mixed`` variant's where two fit (checked with the
-change reverted: both fail their first assertion).
+attention alternating (vLLM's hybrid allocator: a block holds a page of one group, and a request
+takes blocks from both). vLLM frees the blocks that fall out of a sequence's window as it goes
+(``SlidingWindowManager.remove_skipped_blocks``): a sliding group holds a sequence's prompt's
+blocks while it prefills, then the window and the token in flight, 8-9 blocks (the sidecar
+counts 9), however long it runs; a full group, every token's. Until this test's change the
+sidecar counted the sliding group like a full one (its cap, the window plus a whole step's
+chunk, is above these lengths): 113 blocks for a 600-token prompt and 3,000 tokens of answer, so
+with that counting worst-case mode admits three of the ``sliding`` variant's four answers at
+once (vLLM holds all four in 36 blocks at most) and one of the ``mixed`` variant's where two fit
+(checked with the change reverted: both fail their first assertion).
 
 A third variant, ``hybrid``, is Qwen3-Next-shaped: three gated delta-net linear-attention layers
 and one full-attention layer, served at the block size vLLM aligns them to (256 tokens on the CPU
