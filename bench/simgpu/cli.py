@@ -21,7 +21,10 @@ from bench.simgpu.workload import (
     CONFIGS,
     ENGINES,
     EXTRA_CONFIGS,
+    LONG_PREFILL_THRESHOLD,
     LONG_QUEUE_WAIT,
+    LPT_CONFIGS,
+    LPT_SUFFIX,
     MAX_MODEL_LEN,
     PRIORITY_CONFIGS,
     WORKLOADS,
@@ -62,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
         default=",".join(CONFIGS),
         help=f"of {', '.join(CONFIGS)} (default: all three); side experiments: "
         f"{', '.join(EXTRA_CONFIGS)} (--max-queue-wait {LONG_QUEUE_WAIT:g}); for the priority "
-        f"workload: {', '.join(PRIORITY_CONFIGS)}",
+        f"workload: {', '.join(PRIORITY_CONFIGS)}, each with {LPT_SUFFIX} appended (on a vLLM "
+        f"started with --long-prefill-token-threshold {LONG_PREFILL_THRESHOLD})",
     )
     p.add_argument(
         "--repeat", type=int, default=None, help="runs of each configuration (3; --quick: 1)"
@@ -213,8 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = cli.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
-        if c not in CONFIGS + EXTRA_CONFIGS + PRIORITY_CONFIGS:
-            known = CONFIGS + EXTRA_CONFIGS + PRIORITY_CONFIGS
+        if c not in CONFIGS + EXTRA_CONFIGS + PRIORITY_CONFIGS + LPT_CONFIGS:
+            known = CONFIGS + EXTRA_CONFIGS + PRIORITY_CONFIGS + LPT_CONFIGS
             cli.error(f"unknown configuration {c}; one of {', '.join(known)}")
     name = "simgpu" + ("-quick" if args.quick else "") + args.suffix
     if args.report_only:
@@ -271,7 +275,7 @@ def finish(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     for part in raw["parts"].values():
         runs = {
             c: sorted(part["runs"][c], key=lambda r: r.get("repetition", 0))
-            for c in CONFIGS + EXTRA_CONFIGS + PRIORITY_CONFIGS
+            for c in CONFIGS + EXTRA_CONFIGS + PRIORITY_CONFIGS + LPT_CONFIGS
             if part["runs"].get(c)
         }
         if not runs:

@@ -22,6 +22,7 @@ from bench.simgpu.workload import (
     PRIORITY_SIDECARS,
     SIDECAR_TIMES,
     SimWorkload,
+    base_config,
     dilated,
 )
 from harness.bench_util import progress
@@ -36,6 +37,7 @@ def sidecar_args(config: str, time_scale: float, lengths_file: Path | None = Non
     to the next: a pod restarted into what it had learned); the time-valued defaults stretched
     by the time scale; the info log that says the tokenizer is loaded."""
     args: list[str] = []
+    config = base_config(config)  # -lpt: another vLLM, the same sidecar
     if config in PRIORITY_SIDECARS:  # the priority workload's: the default and its flags
         args += PRIORITY_SIDECARS[config]
         config = "sidecar-adaptive"
@@ -95,7 +97,7 @@ def run_config(config: str, wl: SimWorkload, sim: SimServer) -> dict[str, Any]:
     url = sidecar.url if sidecar is not None else sim.url
     workload = dilated(wl.workload, scale)
     if wl.name == "priority":  # what the configuration sends (the stream alone, no tenants...)
-        workload = priority_variant(config, workload)
+        workload = priority_variant(base_config(config), workload)
     total = len(workload.requests)
     last = [time.monotonic()]
 

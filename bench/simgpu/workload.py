@@ -76,12 +76,29 @@ PRIORITY_SIDECARS: dict[str, list[str]] = {
 }
 #: vLLM's flags for the configurations that run on a vLLM of their own (by suffix)
 VLLM_PRIORITY_ARGS = ["--scheduling-policy", "priority"]
+#: side experiments on the priority workload, run only when named in --configs: a priority
+#: configuration with ``-lpt`` appended (``sidecar-alone-lpt``, ``sidecar-classes-paced-lpt``...)
+#: runs on a vLLM of its own whose scheduler gives one request's prefill at most this many tokens
+#: a step (vLLM's --long-prefill-token-threshold; its scheduler floors it at the step's budget
+#: over the requests it holds), so that a batch prompt's chunks leave room in each step for an
+#: interactive request's prefill
+LONG_PREFILL_THRESHOLD = 512
+LPT_SUFFIX = "-lpt"
+LPT_CONFIGS = [c + LPT_SUFFIX for c in PRIORITY_CONFIGS]
+
+
+def base_config(config: str) -> str:
+    """``config`` without the ``-lpt`` suffix: what it runs, on whichever vLLM."""
+    return config.removesuffix(LPT_SUFFIX)
 
 
 def server_flags(config: str) -> list[str]:
     """The vLLM flags ``config`` needs beyond the engine's (configurations that need the same
     flags share a server)."""
-    return list(VLLM_PRIORITY_ARGS) if config.endswith("vllm-priority") else []
+    flags = list(VLLM_PRIORITY_ARGS) if base_config(config).endswith("vllm-priority") else []
+    if config.endswith(LPT_SUFFIX):
+        flags += ["--long-prefill-token-threshold", str(LONG_PREFILL_THRESHOLD)]
+    return flags
 
 
 WORKLOADS = ["chat", "burst", "thrash", "poisson", "priority"]
