@@ -46,12 +46,11 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from harness.exposition import cache_config_labels
 from harness.vllm_cpu import VllmServer, ensure_model
 from harness.vllm_info import VllmInfo
 from harness.workload import SidecarProcess, make_prompts, metric_value
-from sidecar.kv.geometry import KVGeometry, ModelKV, load_config
 from tests.support.stepped import admitted, frozen_engine
+from tests.support.vllm_geometry import vllm_geometry
 from tests.support.vllm_idle import idle_preemptions
 from tests.support.wait import wait_for
 
@@ -253,15 +252,8 @@ def test_a_hybrid_model_s_groups_are_vllm_s(sliding_vllm: tuple[str, VllmInfo]) 
     ``kv_cache_max_concurrency``: the pool over one request of the whole context, each of the
     three state groups at its peak."""
     _, vllm = sliding_vllm
-    assert vllm.model_dir is not None
-    info = cache_config_labels(httpx.get(vllm.url + "/metrics", timeout=10).text)
+    geometry, info = vllm_geometry(vllm)
     assert info["mamba_cache_mode"] == "align", info
-    geometry = KVGeometry.build(
-        ModelKV.from_config(load_config(vllm.model_dir / "config.json")),
-        block_size=int(info["block_size"]),
-        max_model_len=vllm.max_model_len,
-        mamba_cache_mode=info["mamba_cache_mode"],
-    )
     assert sum(g.state for g in geometry.groups) == 3, geometry.groups
     reported = float(info["kv_cache_max_concurrency"])
     assert geometry.max_concurrency(int(info["num_gpu_blocks"])) == pytest.approx(reported)

@@ -22,12 +22,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from harness.exposition import cache_config_labels
 from harness.vllm_cpu import VllmServer, ensure_model
 from harness.vllm_info import VllmInfo
 from harness.workload import SidecarProcess, make_prompts
-from sidecar.kv.geometry import KVGeometry, ModelKV, cdiv, load_config
+from sidecar.kv.geometry import cdiv
 from tests.support.stepped import admitted, frozen_engine
+from tests.support.vllm_geometry import vllm_geometry
 from tests.support.vllm_idle import idle_preemptions
 
 pytestmark = pytest.mark.vllm
@@ -61,15 +61,8 @@ def test_the_groups_are_vllm_s(falcon_vllm: tuple[str, VllmInfo]) -> None:
     ``kv_cache_max_concurrency``: the pool over one request of the whole context, its pages
     and its states' blocks (one group of full attention alone gives another)."""
     variant, falcon_vllm = falcon_vllm
-    assert falcon_vllm.model_dir is not None
-    info = cache_config_labels(httpx.get(falcon_vllm.url + "/metrics", timeout=10).text)
+    geometry, info = vllm_geometry(falcon_vllm)
     assert info["mamba_cache_mode"] == "none", info
-    geometry = KVGeometry.build(
-        ModelKV.from_config(load_config(falcon_vllm.model_dir / "config.json")),
-        block_size=int(info["block_size"]),
-        max_model_len=falcon_vllm.max_model_len,
-        mamba_cache_mode=info["mamba_cache_mode"],
-    )
     attention, states = GROUPS[variant]
     assert sorted((g.state, g.num_layers) for g in geometry.groups) == sorted(
         [(False, attention)] + [(True, n) for n in states]
