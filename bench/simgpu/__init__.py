@@ -23,13 +23,17 @@ The workloads (lengths the sidecar never sees ride in ``vllm_xargs.sim_output_to
   (``max_tokens`` with ``ignore_eos``), not streamed;
 - ``thrash``: 2,000-4,000-token prompts, answers of 1,500-2,500 tokens at EOS, all at once, on a
   pool that holds about half of the burst at its peak: vLLM runs dry mid-decode and preempts;
+- ``thrash-long`` (not in the default plan): the same with 16,000-24,000-token prompts (32 of
+  them), where each preemption throws away a second or more of prefill;
 - ``poisson``: a Poisson stream mixing chats and random completions;
 - ``priority`` (not in the default plan): a batch tenant's 200 completions at once beside an
   interactive tenant's Poisson stream of chats, on a pool pinned to 8,000 blocks (issue 23's
   workload at GPU sizes), with its own configurations: ``sidecar-alone`` (the stream alone),
   ``direct``, ``sidecar-one-tenant``, ``sidecar-classes`` (``--priority-rules``),
-  ``vllm-priority`` and ``sidecar-classes-vllm-priority`` (on a second server started with
-  ``--scheduling-policy priority``, the classes forwarded with ``--forward-priority``).
+  ``sidecar-classes-paced`` and ``-unpaced`` (``--priority-pace`` 0.1 and 0), ``vllm-priority``,
+  ``sidecar-classes-vllm-priority`` and ``sidecar-classes-paced-vllm-priority`` (on a second
+  server started with ``--scheduling-policy priority``, the classes forwarded with
+  ``--forward-priority``).
 
 Configurations, interleaved on the same engine in a rotating order: ``direct`` (vLLM alone),
 ``sidecar-adaptive`` (the sidecar's defaults: adaptive reservations) and

@@ -54,7 +54,8 @@ LONG_QUEUE_WAIT = 600.0
 #: paced to vLLM's prefill: ``sidecar-classes-paced``);
 #: priority (lower first) under --priority-rules; and on a vLLM of their own started with
 #: --scheduling-policy priority, vLLM alone with each request's priority in its body
-#: (``vllm-priority``) and the classes forwarded to it (``sidecar-classes-vllm-priority``)
+#: (``vllm-priority``) and the classes forwarded to it (``sidecar-classes-vllm-priority``;
+#: paced as well: ``sidecar-classes-paced-vllm-priority``)
 PRIORITY_CONFIGS = [
     "sidecar-alone",
     "direct",
@@ -64,6 +65,7 @@ PRIORITY_CONFIGS = [
     "sidecar-classes-unpaced",
     "vllm-priority",
     "sidecar-classes-vllm-priority",
+    "sidecar-classes-paced-vllm-priority",
 ]
 #: each priority configuration's sidecar flags besides the defaults
 PRIORITY_SIDECARS: dict[str, list[str]] = {
@@ -73,6 +75,13 @@ PRIORITY_SIDECARS: dict[str, list[str]] = {
     "sidecar-classes-paced": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0.1"],
     "sidecar-classes-unpaced": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0"],
     "sidecar-classes-vllm-priority": ["--priority-rules", PRIORITY_RULES, "--forward-priority"],
+    "sidecar-classes-paced-vllm-priority": [
+        "--priority-rules",
+        PRIORITY_RULES,
+        "--forward-priority",
+        "--priority-pace",
+        "0.1",
+    ],
 }
 #: vLLM's flags for the configurations that run on a vLLM of their own (by suffix)
 VLLM_PRIORITY_ARGS = ["--scheduling-policy", "priority"]
@@ -101,7 +110,7 @@ def server_flags(config: str) -> list[str]:
     return flags
 
 
-WORKLOADS = ["chat", "burst", "thrash", "poisson", "priority"]
+WORKLOADS = ["chat", "burst", "thrash", "thrash-long", "poisson", "priority"]
 #: the sidecar's time-valued defaults (seconds), multiplied by the engine's time scale so that
 #: they mean the same span of simulated time (its 0.5 s scrape is 0.5 simulated seconds)
 SIDECAR_TIMES = {"--scrape-interval": 0.5, "--metrics-stale-after": 5.0, "--max-queue-wait": 300.0}
@@ -237,27 +246,35 @@ THRASH_MAX_TOKENS = 2560
 
 
 def thrash_workload(
-    count: int, answers: tuple[int, int] = (1500, 2500), seed: int = 303
+    count: int,
+    answers: tuple[int, int] = (1500, 2500),
+    seed: int = 303,
+    prompts: tuple[int, int] = (2000, 4000),
+    name: str = "thrash",
 ) -> Workload:
     rng, p = random.Random(seed), Prompts(seed + 1)
     reqs = []
     for _ in range(count):
-        prompt, answer = rng.randint(2000, 4000), rng.randint(*answers)
+        prompt, answer = rng.randint(*prompts), rng.randint(*answers)
         body = {"prompt": p.text(prompt), "max_tokens": THRASH_MAX_TOKENS, **_xargs(answer)}
         reqs.append(
             Request(0.0, "/v1/completions", body, output_tokens=answer, kind="long", stream=False)
         )
     return Workload(
-        "thrash",
+        name,
         "Thrash: long prompts, long answers, a pool for half the burst",
-        f"{count} completions sent at once, 2,000-4,000 prompt tokens and answers of "
-        f"{answers[0]:,}-{answers[1]:,} tokens (uniform) ending at EOS under `max_tokens` "
-        f"{THRASH_MAX_TOKENS}, "
+        f"{count} completions sent at once, {prompts[0]:,}-{prompts[1]:,} prompt tokens and "
+        f"answers of {answers[0]:,}-{answers[1]:,} tokens (uniform) ending at EOS under "
+        f"`max_tokens` {THRASH_MAX_TOKENS}, "
         "not streamed; the pool (`--num-gpu-blocks-override`) holds about half of the burst "
         "at its peak. vLLM admits by the prompt, runs dry mid-decode and preempts, and each "
         "preemption recomputes thousands of tokens.",
         reqs,
     )
+
+
+#: ``thrash-long``'s prompts: a recompute of one costs a second or more of prefill on the 8B
+LONG_THRASH_PROMPTS = (16000, 24000)
 
 
 def poisson_workload(count: int, rate: float, seed: int = 404) -> Workload:
@@ -368,6 +385,7 @@ SIZES: dict[str, dict[str, tuple[int, float]]] = {
         "chat": (150, 60.0),
         "burst": (256, 0.0),
         "thrash": (64, 0.0),
+        "thrash-long": (32, 0.0),
         "poisson": (160, 20.0),
         "priority": (200, 2.0),
     },
@@ -375,6 +393,7 @@ SIZES: dict[str, dict[str, tuple[int, float]]] = {
         "chat": (48, 30.0),
         "burst": (48, 0.0),
         "thrash": (24, 0.0),
+        "thrash-long": (12, 0.0),
         "poisson": (48, 20.0),
         "priority": (40, 2.0),
     },
@@ -382,7 +401,14 @@ SIZES: dict[str, dict[str, tuple[int, float]]] = {
 #: --quick's thrash answers: a smoke run of the same shape in a few seconds of simulated time
 QUICK_THRASH_ANSWERS = (300, 500)
 #: the time scale each workload runs at: streamed workloads need more CPU per step
-TIME_SCALES = {"chat": 2.0, "burst": 1.0, "thrash": 1.0, "poisson": 2.0, "priority": 2.0}
+TIME_SCALES = {
+    "chat": 2.0,
+    "burst": 1.0,
+    "thrash": 1.0,
+    "thrash-long": 1.0,
+    "poisson": 2.0,
+    "priority": 2.0,
+}
 
 
 def build(name: str, quick: bool, scale: float | None = None) -> SimWorkload:
@@ -394,8 +420,13 @@ def build(name: str, quick: bool, scale: float | None = None) -> SimWorkload:
         return SimWorkload(burst_workload(count), time_scale)
     if name == "poisson":
         return SimWorkload(poisson_workload(count, rate), time_scale)
-    if name == "thrash":
-        wl = thrash_workload(count, QUICK_THRASH_ANSWERS) if quick else thrash_workload(count)
+    if name in ("thrash", "thrash-long"):
+        answers = QUICK_THRASH_ANSWERS if quick else (1500, 2500)
+        wl = (
+            thrash_workload(count, answers)
+            if name == "thrash"
+            else thrash_workload(count, answers, prompts=LONG_THRASH_PROMPTS, name=name)
+        )
         pool = thrash_pool(wl)
         facts = {"peak_blocks": peak_blocks(wl), "pool_blocks": pool}
         return SimWorkload(wl, time_scale, num_gpu_blocks=pool, facts=facts)
