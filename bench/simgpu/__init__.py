@@ -23,8 +23,9 @@ The workloads (lengths the sidecar never sees ride in ``vllm_xargs.sim_output_to
   (``max_tokens`` with ``ignore_eos``), not streamed;
 - ``thrash``: 2,000-4,000-token prompts, answers of 1,500-2,500 tokens at EOS, all at once, on a
   pool that holds about half of the burst at its peak: vLLM runs dry mid-decode and preempts;
-- ``thrash-long`` (not in the default plan): the same with 16,000-24,000-token prompts (32 of
-  them), where each preemption throws away a second or more of prefill;
+- ``thrash-long`` (not in the default plan): the same with 8,000-12,000-token prompts and
+  answers of 4,000-6,000 (24 of them), where each preemption throws away a third of a second or
+  more of prefill;
 - ``poisson``: a Poisson stream mixing chats and random completions;
 - ``priority`` (not in the default plan): a batch tenant's 200 completions at once beside an
   interactive tenant's Poisson stream of chats, on a pool pinned to 8,000 blocks (issue 23's

@@ -251,12 +251,13 @@ def thrash_workload(
     seed: int = 303,
     prompts: tuple[int, int] = (2000, 4000),
     name: str = "thrash",
+    max_tokens: int = THRASH_MAX_TOKENS,
 ) -> Workload:
     rng, p = random.Random(seed), Prompts(seed + 1)
     reqs = []
     for _ in range(count):
         prompt, answer = rng.randint(*prompts), rng.randint(*answers)
-        body = {"prompt": p.text(prompt), "max_tokens": THRASH_MAX_TOKENS, **_xargs(answer)}
+        body = {"prompt": p.text(prompt), "max_tokens": max_tokens, **_xargs(answer)}
         reqs.append(
             Request(0.0, "/v1/completions", body, output_tokens=answer, kind="long", stream=False)
         )
@@ -265,7 +266,7 @@ def thrash_workload(
         "Thrash: long prompts, long answers, a pool for half the burst",
         f"{count} completions sent at once, {prompts[0]:,}-{prompts[1]:,} prompt tokens and "
         f"answers of {answers[0]:,}-{answers[1]:,} tokens (uniform) ending at EOS under "
-        f"`max_tokens` {THRASH_MAX_TOKENS}, "
+        f"`max_tokens` {max_tokens}, "
         "not streamed; the pool (`--num-gpu-blocks-override`) holds about half of the burst "
         "at its peak. vLLM admits by the prompt, runs dry mid-decode and preempts, and each "
         "preemption recomputes thousands of tokens.",
@@ -273,8 +274,13 @@ def thrash_workload(
     )
 
 
-#: ``thrash-long``'s prompts: a recompute of one costs a second or more of prefill on the 8B
-LONG_THRASH_PROMPTS = (16000, 24000)
+#: ``thrash-long``: prompts whose recompute costs a third of a second or more of prefill on the
+#: 8B, and answers half as long as them, so that a sequence grows by half once vLLM has admitted
+#: it by its prompt (with answers a tenth of their prompts, 16,000-24,000 and 1,500-2,500,
+#: vLLM preempted twice in a run: bench/results/simgpu-thrashlong-16k.log)
+LONG_THRASH_PROMPTS = (8000, 12000)
+LONG_THRASH_ANSWERS = (4000, 6000)
+LONG_THRASH_MAX_TOKENS = 6144
 
 
 def poisson_workload(count: int, rate: float, seed: int = 404) -> Workload:
@@ -385,7 +391,7 @@ SIZES: dict[str, dict[str, tuple[int, float]]] = {
         "chat": (150, 60.0),
         "burst": (256, 0.0),
         "thrash": (64, 0.0),
-        "thrash-long": (32, 0.0),
+        "thrash-long": (24, 0.0),
         "poisson": (160, 20.0),
         "priority": (200, 2.0),
     },
@@ -421,12 +427,17 @@ def build(name: str, quick: bool, scale: float | None = None) -> SimWorkload:
     if name == "poisson":
         return SimWorkload(poisson_workload(count, rate), time_scale)
     if name in ("thrash", "thrash-long"):
-        answers = QUICK_THRASH_ANSWERS if quick else (1500, 2500)
-        wl = (
-            thrash_workload(count, answers)
-            if name == "thrash"
-            else thrash_workload(count, answers, prompts=LONG_THRASH_PROMPTS, name=name)
-        )
+        if name == "thrash":
+            wl = thrash_workload(count, QUICK_THRASH_ANSWERS if quick else (1500, 2500))
+        else:
+            answers = QUICK_THRASH_ANSWERS if quick else LONG_THRASH_ANSWERS
+            wl = thrash_workload(
+                count,
+                answers,
+                prompts=LONG_THRASH_PROMPTS,
+                name=name,
+                max_tokens=LONG_THRASH_MAX_TOKENS,
+            )
         pool = thrash_pool(wl)
         facts = {"peak_blocks": peak_blocks(wl), "pool_blocks": pool}
         return SimWorkload(wl, time_scale, num_gpu_blocks=pool, facts=facts)
