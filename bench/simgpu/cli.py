@@ -66,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
         help=f"of {', '.join(CONFIGS)} (default: all three); side experiments: "
         f"{', '.join(EXTRA_CONFIGS)} (--max-queue-wait {LONG_QUEUE_WAIT:g}); for the priority "
         f"workload: {', '.join(PRIORITY_CONFIGS)}, each with {LPT_SUFFIX} appended (on a vLLM "
-        f"started with --long-prefill-token-threshold {LONG_PREFILL_THRESHOLD})",
+        f"started with --long-prefill-token-threshold {LONG_PREFILL_THRESHOLD}; -lpt256: 256)",
     )
     p.add_argument(
         "--repeat", type=int, default=None, help="runs of each configuration (3; --quick: 1)"

@@ -55,7 +55,8 @@ LONG_QUEUE_WAIT = 600.0
 #: priority (lower first) under --priority-rules; and on a vLLM of their own started with
 #: --scheduling-policy priority, vLLM alone with each request's priority in its body
 #: (``vllm-priority``) and the classes forwarded to it (``sidecar-classes-vllm-priority``;
-#: paced as well: ``sidecar-classes-paced-vllm-priority``)
+#: paced as well: ``sidecar-classes-paced-vllm-priority``); and the classes paced at 0.02 s
+#: (``sidecar-classes-paced-tight``)
 PRIORITY_CONFIGS = [
     "sidecar-alone",
     "direct",
@@ -66,6 +67,7 @@ PRIORITY_CONFIGS = [
     "vllm-priority",
     "sidecar-classes-vllm-priority",
     "sidecar-classes-paced-vllm-priority",
+    "sidecar-classes-paced-tight",
 ]
 #: each priority configuration's sidecar flags besides the defaults
 PRIORITY_SIDECARS: dict[str, list[str]] = {
@@ -75,6 +77,7 @@ PRIORITY_SIDECARS: dict[str, list[str]] = {
     "sidecar-classes-paced": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0.1"],
     "sidecar-classes-unpaced": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0"],
     "sidecar-classes-vllm-priority": ["--priority-rules", PRIORITY_RULES, "--forward-priority"],
+    "sidecar-classes-paced-tight": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0.02"],
     "sidecar-classes-paced-vllm-priority": [
         "--priority-rules",
         PRIORITY_RULES,
@@ -93,20 +96,27 @@ VLLM_PRIORITY_ARGS = ["--scheduling-policy", "priority"]
 #: interactive request's prefill
 LONG_PREFILL_THRESHOLD = 512
 LPT_SUFFIX = "-lpt"
-LPT_CONFIGS = [c + LPT_SUFFIX for c in PRIORITY_CONFIGS]
+#: ... and with ``-lpt256`` appended, on a vLLM whose threshold is 256
+LPT_THRESHOLDS = {"-lpt256": 256, LPT_SUFFIX: LONG_PREFILL_THRESHOLD}
+LPT_CONFIGS = [c + suffix for suffix in LPT_THRESHOLDS for c in PRIORITY_CONFIGS]
+
+
+def _lpt_suffix(config: str) -> str:
+    return next((s for s in LPT_THRESHOLDS if config.endswith(s)), "")
 
 
 def base_config(config: str) -> str:
-    """``config`` without the ``-lpt`` suffix: what it runs, on whichever vLLM."""
-    return config.removesuffix(LPT_SUFFIX)
+    """``config`` without an ``-lpt`` suffix: what it runs, on whichever vLLM."""
+    suffix = _lpt_suffix(config)
+    return config.removesuffix(suffix) if suffix else config
 
 
 def server_flags(config: str) -> list[str]:
     """The vLLM flags ``config`` needs beyond the engine's (configurations that need the same
     flags share a server)."""
     flags = list(VLLM_PRIORITY_ARGS) if base_config(config).endswith("vllm-priority") else []
-    if config.endswith(LPT_SUFFIX):
-        flags += ["--long-prefill-token-threshold", str(LONG_PREFILL_THRESHOLD)]
+    if suffix := _lpt_suffix(config):
+        flags += ["--long-prefill-token-threshold", str(LPT_THRESHOLDS[suffix])]
     return flags
 
 
