@@ -34,12 +34,17 @@ def sidecar_args(config: str, time_scale: float, lengths_file: Path | None = Non
     """The sidecar's flags for ``config``: its defaults (``sidecar-adaptive`` names no
     ``--reservation``: adaptive is the default), ``--reservation worst-case`` for
     ``sidecar-worst-case``; ``-warm``: ``--lengths-file lengths_file`` (kept from one repetition
-    to the next: a pod restarted into what it had learned); the time-valued defaults stretched
-    by the time scale; the info log that says the tokenizer is loaded."""
+    to the next: a pod restarted into what it had learned); the time-valued defaults and
+    ``--priority-pace`` stretched by the time scale (so that the pace holds as many simulated
+    seconds of prefill as it names); the info log that says the tokenizer is loaded."""
     args: list[str] = []
     config = base_config(config)  # -lpt: another vLLM, the same sidecar
     if config in PRIORITY_SIDECARS:  # the priority workload's: the default and its flags
-        args += PRIORITY_SIDECARS[config]
+        flags = list(PRIORITY_SIDECARS[config])
+        for i, flag in enumerate(flags[:-1]):
+            if flag == "--priority-pace":
+                flags[i + 1] = f"{float(flags[i + 1]) * time_scale:g}"
+        args += flags
         config = "sidecar-adaptive"
     reservation = config.removeprefix("sidecar-")
     if reservation.endswith("-warm"):
