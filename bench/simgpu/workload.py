@@ -284,13 +284,15 @@ def thrash_workload(
     )
 
 
-#: ``thrash-long``: prompts whose recompute costs a third of a second or more of prefill on the
-#: 8B, and answers half as long as them, so that a sequence grows by half once vLLM has admitted
-#: it by its prompt (with answers a tenth of their prompts, 16,000-24,000 and 1,500-2,500,
-#: vLLM preempted twice in a run: bench/results/simgpu-thrashlong-16k.log)
-LONG_THRASH_PROMPTS = (8000, 12000)
-LONG_THRASH_ANSWERS = (4000, 6000)
-LONG_THRASH_MAX_TOKENS = 6144
+#: each thrash workload's (prompt tokens, answer tokens, max_tokens). ``thrash-long``: prompts
+#: whose recompute costs a third of a second or more of prefill on the 8B, and answers half as
+#: long as them, so that a sequence grows by half once vLLM has admitted it by its prompt (with
+#: answers a tenth of their prompts, 16,000-24,000 and 1,500-2,500, vLLM preempted twice in a
+#: run: bench/results/simgpu-thrashlong-16k.log)
+THRASH_SHAPES: dict[str, tuple[tuple[int, int], tuple[int, int], int]] = {
+    "thrash": ((2000, 4000), (1500, 2500), THRASH_MAX_TOKENS),
+    "thrash-long": ((8000, 12000), (4000, 6000), 6144),
+}
 
 
 def poisson_workload(count: int, rate: float, seed: int = 404) -> Workload:
@@ -436,18 +438,10 @@ def build(name: str, quick: bool, scale: float | None = None) -> SimWorkload:
         return SimWorkload(burst_workload(count), time_scale)
     if name == "poisson":
         return SimWorkload(poisson_workload(count, rate), time_scale)
-    if name in ("thrash", "thrash-long"):
-        if name == "thrash":
-            wl = thrash_workload(count, QUICK_THRASH_ANSWERS if quick else (1500, 2500))
-        else:
-            answers = QUICK_THRASH_ANSWERS if quick else LONG_THRASH_ANSWERS
-            wl = thrash_workload(
-                count,
-                answers,
-                prompts=LONG_THRASH_PROMPTS,
-                name=name,
-                max_tokens=LONG_THRASH_MAX_TOKENS,
-            )
+    if name in THRASH_SHAPES:
+        prompts, answers, max_tokens = THRASH_SHAPES[name]
+        answers = QUICK_THRASH_ANSWERS if quick else answers
+        wl = thrash_workload(count, answers, prompts=prompts, name=name, max_tokens=max_tokens)
         pool = thrash_pool(wl)
         facts = {"peak_blocks": peak_blocks(wl), "pool_blocks": pool}
         return SimWorkload(wl, time_scale, num_gpu_blocks=pool, facts=facts)
