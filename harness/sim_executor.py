@@ -36,6 +36,13 @@ them):
                              this many times its cost (roofline or fixed), so that the host's
                              CPU has that much more time per step; simulated_seconds stay in
                              GPU seconds (harness.sim_cost.StepClock)
+    KV_SIDECAR_SIM_TRACE     a file to append one JSON line per step to (unset: none):
+                             {"start": wall clock (time.time()) when the step began,
+                             "simulated": simulated seconds before it, "seconds": its
+                             simulated length, "new": [[request id, prompt tokens], ...] for
+                             the requests it schedules for the first time, "work": [[request
+                             id, tokens computed, context before them], ...]}; for finding
+                             where a request's time went, in a benchmark's side run
 
 The control channel is plain HTTP with JSON answers:
 
@@ -89,6 +96,7 @@ ENV_STEP = "KV_SIDECAR_SIM_STEP"
 ENV_CONTROL = "KV_SIDECAR_SIM_CONTROL"
 ENV_TOKEN = "KV_SIDECAR_SIM_TOKEN_ID"
 ENV_TIME_SCALE = sim_cost.ENV_TIME_SCALE
+ENV_TRACE = "KV_SIDECAR_SIM_TRACE"
 #: The key in a request's sampling ``extra_args`` (OpenAI ``vllm_xargs``) giving its length.
 OUTPUT_TOKENS_KEY = "sim_output_tokens"
 DEFAULT_TOKEN_ID = 100
@@ -176,6 +184,8 @@ class SimEngine:
         #: could not hide. Small against time_scale x simulated_seconds means the clock is the
         #: cost model's; large means this machine's CPU is the limit.
         self.clock = sim_cost.StepClock(sim_cost.parse_time_scale(os.environ.get(ENV_TIME_SCALE)))
+        trace = os.environ.get(ENV_TRACE, "")
+        self._trace = open(trace, "a", encoding="utf-8") if trace else None
         self._control: ThreadingHTTPServer | None = None
         control = os.environ.get(ENV_CONTROL, "")
         if control:
@@ -330,6 +340,7 @@ class SimEngine:
 
     def step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         arrived = time.monotonic()
+        started = time.time()
         self._track(so)
         if not so.num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -372,6 +383,8 @@ class SimEngine:
         seconds = self._sleep(arrived, cost.seconds)
         # a pause for a manual grant is the test's time, not the engine's CPU lag
         self._busy = continues and self.mode != "manual"
+        if self._trace is not None:
+            self._write_trace(so, started, seconds, batch, req_ids)
         self.simulated_seconds += seconds
         self.last_step = StepRecord(
             requests=len(req_ids),
@@ -388,6 +401,28 @@ class SimEngine:
             sampled_token_ids=sampled,
             logprobs=self._logprobs(req_ids, sampled),
         )
+
+    def _write_trace(
+        self,
+        so: SchedulerOutput,
+        started: float,
+        seconds: float,
+        batch: list[sim_cost.SeqWork],
+        req_ids: list[str],
+    ) -> None:
+        """One line of ``KV_SIDECAR_SIM_TRACE`` for the step just run."""
+        assert self._trace is not None
+        line = {
+            "start": started,
+            "simulated": self.simulated_seconds,
+            "seconds": seconds,
+            "new": [[new.req_id, new.prompt_len] for new in so.scheduled_new_reqs],
+            "work": [
+                [r, w.new_tokens, w.context_tokens] for r, w in zip(req_ids, batch, strict=True)
+            ],
+        }
+        self._trace.write(json.dumps(line) + "\n")
+        self._trace.flush()
 
     def _cost(self, batch: list[sim_cost.SeqWork]) -> sim_cost.StepCost:
         return sim_cost.step_cost(
@@ -453,6 +488,9 @@ class SimEngine:
         }
 
     def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
         if self._control is not None:
             self._control.shutdown()
             self._control.server_close()

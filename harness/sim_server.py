@@ -53,6 +53,8 @@ class SimServer:
     log_path: Path | None = None
     #: seconds from the process start to a healthy /health
     startup_seconds: float | None = None
+    #: where the executor appends its step trace (``KV_SIDECAR_SIM_TRACE``); None: no trace
+    trace: Path | None = None
 
     @property
     def url(self) -> str:
@@ -103,6 +105,8 @@ class SimServer:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        if self.trace is not None:
+            env["KV_SIDECAR_SIM_TRACE"] = str(self.trace)
         logs = CACHE / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.log_path = logs / f"sim-vllm-{self.port}.log"

@@ -8,6 +8,7 @@ engine by hand switch it to manual mode and back.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -42,11 +43,12 @@ MAX_NUM_BATCHED_TOKENS = 1024
 
 
 @pytest.fixture(scope="module")
-def sim() -> Iterator[SimServer]:
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimServer]:
     server = SimServer(
         model=MODEL,
         gpu=GPU,
         max_model_len=MAX_MODEL_LEN,
+        trace=tmp_path_factory.mktemp("sim") / "steps.jsonl",
         extra_args=[
             "--gpu-memory-utilization",
             str(UTILIZATION),
@@ -391,6 +393,8 @@ def test_a_chunked_prefill_samples_only_at_its_last_chunk(sim: SimServer) -> Non
     ).json()["count"]
     chunks = math.ceil(tokens / MAX_NUM_BATCHED_TOKENS)
     assert chunks >= 2 and tokens + 3 <= MAX_MODEL_LEN
+    assert sim.trace is not None
+    traced = sim.trace.stat().st_size if sim.trace.exists() else 0
     answers: list[dict[str, Any]] = []
     sim.set_mode("manual")
     try:
@@ -415,6 +419,21 @@ def test_a_chunked_prefill_samples_only_at_its_last_chunk(sim: SimServer) -> Non
         wait_for_usage(sim, 0, num_blocks)
     finally:
         sim.set_mode("roofline")
+    # the step trace (KV_SIDECAR_SIM_TRACE): the request new in the first chunk's step, each
+    # chunk's tokens at the context computed before it, then two decode steps
+    with open(sim.trace, encoding="utf-8") as fh:
+        fh.seek(traced)
+        steps = [json.loads(line) for line in fh]
+    assert len(steps) == chunks + 2
+    (req_id, prompt), *others = steps[0]["new"]
+    assert prompt == tokens and not others
+    chunk = MAX_NUM_BATCHED_TOKENS
+    work = [[[req_id, min(chunk, tokens - c), c]] for c in range(0, tokens, chunk)]
+    work += [[[req_id, 1, tokens]], [[req_id, 1, tokens + 1]]]
+    assert [step["work"] for step in steps] == work
+    assert all(not step["new"] for step in steps[1:])
+    clock = [(step["simulated"], step["seconds"]) for step in steps]
+    assert all(s + d == pytest.approx(t) for (s, d), (t, _) in itertools.pairwise(clock))
 
 
 def in_engine(sim: SimServer) -> float:
