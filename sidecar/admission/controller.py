@@ -38,14 +38,9 @@ from collections.abc import Callable
 from sidecar.admission.ask import Ask, KVState
 from sidecar.admission.class_stats import ClassStats
 from sidecar.admission.costs import EngineCosts
-from sidecar.admission.decisions import Decision, Outcome, Reason
+from sidecar.admission.decisions import Decision, Outcome, Reason, draining
 from sidecar.admission.ends import Ends
-from sidecar.admission.fit import (
-    budget_blocks,
-    fits,
-    keeps_step_target,
-    room_blocks,
-)
+from sidecar.admission.fit import budget_blocks, fits, keeps_step_target, room_blocks
 from sidecar.admission.learner import LengthLearner, runs_to_max
 from sidecar.admission.pacing import PacedPools
 from sidecar.admission.pools import Pool, Pools, pool_state
@@ -370,10 +365,11 @@ class AdmissionController:
         return None
 
     def _sent(self, pool: Pool, ask: Ask) -> None:
-        """The request's prompts go to ``pool``'s engine: they add to its prefill backlog (kept
-        only while paced: off the admission path otherwise)."""
+        """The request's prompts add to ``pool``'s prefill backlog (kept only while paced)."""
         if self.pacing.seconds > 0:
-            pool.pace.sent(ask.projection.prompt_total, pool.view.costs.prefill_seconds_per_token())
+            costs = pool.view.costs
+            per_token, step = costs.prefill_seconds_per_token(), costs.decode_step_seconds
+            pool.pace.sent(ask.projection.prompt_total, per_token, step)
 
     def _admit(
         self,
@@ -399,6 +395,7 @@ class AdmissionController:
         if ask.priority <= 0:
             for one in (res, *res.shadows):
                 self._favoured[one.engine] = self._favoured.get(one.engine, 0) + one.tenant_blocks
+                self.pacing.favoured_sent(res, self._pools.pool_of(one).pace)
         return res
 
     def _refuse(self, reason: Reason, message: str, ask: Ask, waited: float = 0.0) -> Decision:
@@ -407,16 +404,6 @@ class AdmissionController:
             reason,
             retry_after=self.retry_after(ask),
             message=message,
-            waited_seconds=waited,
-        )
-
-    @staticmethod
-    def _draining_refusal(waited: float = 0.0) -> Decision:
-        return Decision(
-            Outcome.REJECT,
-            Reason.DRAINING,
-            retry_after=MIN_RETRY_AFTER,
-            message="the sidecar is shutting down; retry on another replica",
             waited_seconds=waited,
         )
 
@@ -431,7 +418,7 @@ class AdmissionController:
 
     def _decide(self, ask: Ask) -> Decision | None:
         if self.draining:
-            return self._draining_refusal()
+            return draining()
         stale = self.is_stale()
         if stale and self.stale_policy is StalePolicy.closed:
             return Decision(
@@ -544,7 +531,7 @@ class AdmissionController:
         if cancelled is not None and cancelled.is_set():
             return Decision(Outcome.CANCEL, Reason.CLIENT_DISCONNECT, waited_seconds=waited)
         if self.draining:
-            return self._draining_refusal(waited)
+            return draining(waited)
         said = f"waited {waited:.1f}s for KV cache without room; retry later"
         reason, message = waiter.shed or (Reason.QUEUE_TIMEOUT, said)
         return self._refuse(reason, message, ask, waited)
@@ -567,10 +554,18 @@ class AdmissionController:
 
     def started(self, res: Reservation) -> None:
         """vLLM holds the request's prompt now (its first token came, or it was handed over)."""
+        self._first_token(res)
         pool_of = self._pools.pool_of
         pool_of(res).ledger.start(res)
         for shadow in res.shadows:
             pool_of(shadow).ledger.start(shadow)
+
+    def _first_token(self, res: Reservation) -> None:
+        """A request of priority 0 or better has its first token, or ended first: paced
+        requests no longer wait for it (``sidecar.admission.pacing``)."""
+        if res.priority <= 0 and not res.started and not res.released:
+            paces = [self._pools.pool_of(one).pace for one in (res, *res.shadows)]
+            self.pacing.favoured_started(res, paces)
 
     def progressed(self, res: Reservation, generated_per_sequence: float) -> None:
         """The request has generated this many tokens per sequence."""
@@ -584,6 +579,7 @@ class AdmissionController:
         the answer's length, when it ended naturally (what the expected-mode learner learns)."""
         if res.released:
             return
+        self._first_token(res)
         if completion_tokens is not None:
             per_sequence = completion_tokens // max(res.projection.sequences, 1)
             at_max = per_sequence >= min(res.projection.max_tokens, default=0)

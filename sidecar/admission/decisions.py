@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, NamedTuple
 
+from sidecar.admission.retry import MIN_RETRY_AFTER
+
 if TYPE_CHECKING:
     from sidecar.kv.ledger import Reservation
 
@@ -132,3 +134,14 @@ class Decision:
     @property
     def admitted(self) -> bool:
         return self.outcome is Outcome.ADMIT
+
+
+def draining(waited: float = 0.0) -> Decision:
+    """The refusal of a sidecar shutting down: another replica can take the request at once."""
+    return Decision(
+        Outcome.REJECT,
+        Reason.DRAINING,
+        retry_after=MIN_RETRY_AFTER,
+        message="the sidecar is shutting down; retry on another replica",
+        waited_seconds=waited,
+    )

@@ -20,19 +20,37 @@ again when the backlog will have drained. A request of priority 0 or better is n
 it: it then finds at most ``--priority-pace`` seconds of lower-priority prefill ahead of it in
 vLLM's queue (and one prompt more), however large the burst.
 
+While a streamed request of priority 0 or better that the sidecar forwarded to an engine waits for
+its first token, no request of a positive priority goes to that engine at all (the backlog's
+count of what is ahead of the favoured request is an estimate; its first token is a fact). vLLM's
+chunked prefill gives each step's token budget to the requests it already runs first, so a batch
+prompt sent after an interactive one, while the interactive prompt still waits or is
+half-prefilled, is prefilled in the same steps and lengthens them: on the simulated 8B engine
+(BENCHMARKS.md, The priority workload at GPU sizes) a chat's prompt of 294 tokens was prefilled
+78 tokens at a time beside five batch prompts sent after it, in steps of 0.16-0.23 s where a
+decode step took 0.02 s. A non-streamed request's first token is not seen (it is counted as
+started when it is forwarded), so it holds nothing. At a high enough rate of streamed requests
+of priority 0 and better, this holds the batch class back for as long as any of them awaits its
+first token: that is what the pace is for.
+
 The backlog is an estimate from the sidecar's own clock, not vLLM's queue read back (vLLM's
 gauges are a scrape old, half a second by default, and say nothing of a non-streamed request's
-first token). It drains as if vLLM prefilled at the learned rate without pause, which is a little
-faster than vLLM does while it also decodes a batch: the backlog it leaves in vLLM's queue grows
-during a long burst by about a decode step per chunk of prefill. Where the KV pool limits the
-batch (the usual case once the burst's first wave is in), admission holds it long before the
-pace does.
+first token). Each prompt adds its tokens at the learned cost and one decode step at the recent
+batch (``EngineCosts.decode_step_seconds``), and the backlog drains at one second a second: vLLM
+prefills a prompt in a step that also decodes everything it runs, and the step is not free. By
+the tokens alone, on the simulated 8B engine the backlog drained faster than vLLM prefilled
+beside a batch of 40-60 decoding sequences, and the prompts sent meanwhile piled up into steps of
+three to six prompts (0.1-0.2 s, where a decode step took 0.02 s). A step for each prompt
+overcounts when vLLM fits several prompts into one step, which errs toward pacing too slowly.
+Until a decode step is measured, a step is :data:`PRIOR_PREFILL_TOKENS_PER_STEP` prompt tokens'
+worth. Where the KV pool limits the batch (the usual case once the burst's first wave is in),
+admission holds it long before the pace does.
 
 >>> clock = [0.0]
 >>> pace = PrefillPace(clock=lambda: clock[0])
 >>> pace.hold(0.1)
 0.0
->>> pace.sent(2000, 5e-5)  # 0.1 s of prefill
+>>> pace.sent(1000, 5e-5, 0.05)  # 0.05 s of prefill in a decode step of 0.05 s
 >>> round(pace.hold(0.1), 9)  # the next waits until the backlog is under the pace
 1e-09
 >>> clock[0] = 0.05
@@ -45,6 +63,12 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from sidecar.admission.costs import PRIOR_PREFILL_TOKENS_PER_STEP
+
+if TYPE_CHECKING:
+    from sidecar.kv.ledger import Reservation
 
 #: seconds of prefill a prompt token costs until the engine's is measured: about an 8B model's
 #: on one GPU of the H100 class (2 x 8e9 FLOPs a token at ~40% of ~1e15 FLOP/s is 4e-5 s),
@@ -57,14 +81,16 @@ _EPSILON = 1e-9
 
 
 class PrefillPace:
-    """One engine's prefill backlog: seconds of the prompts forwarded, drained by the clock."""
+    """One engine's prefill backlog: seconds of the prompts forwarded, drained by the clock; and
+    the streamed requests of priority 0 or better forwarded to it still awaiting a first token."""
 
-    __slots__ = ("_at", "_backlog", "_clock")
+    __slots__ = ("_at", "_backlog", "_clock", "awaiting")
 
     def __init__(self, *, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._backlog = 0.0  # seconds of prefill, as of ``_at``
         self._at = clock()
+        self.awaiting = 0
 
     def backlog(self) -> float:
         """Seconds of prefill forwarded and not yet presumed done."""
@@ -78,12 +104,20 @@ class PrefillPace:
         over = self.backlog() - pace
         return over + _EPSILON if over >= 0 else 0.0
 
-    def sent(self, prompt_tokens: int, seconds_per_token: float | None) -> None:
-        """A request with ``prompt_tokens`` to prefill was forwarded to this engine."""
+    def sent(
+        self, prompt_tokens: int, seconds_per_token: float | None, step_seconds: float | None
+    ) -> None:
+        """A request with ``prompt_tokens`` to prefill was forwarded to this engine: its tokens
+        at ``seconds_per_token`` (None: the prior), and a decode step of ``step_seconds`` (vLLM
+        decodes its running batch in the step that prefills the prompt; None: not measured,
+        :data:`PRIOR_PREFILL_TOKENS_PER_STEP` tokens' worth)."""
         per_token = seconds_per_token
         if per_token is None:
             per_token = PRIOR_PREFILL_SECONDS_PER_TOKEN
-        self._backlog = self.backlog() + prompt_tokens * per_token
+        step = step_seconds
+        if step is None:
+            step = PRIOR_PREFILL_TOKENS_PER_STEP * per_token
+        self._backlog = self.backlog() + prompt_tokens * per_token + step
 
 
 class PacedPools:
@@ -101,7 +135,10 @@ class PacedPools:
         self._due = math.inf  # when the timer fires
 
     def holds(self, pace: PrefillPace) -> bool:
-        """Whether a paced request must wait for the backlog ``pace`` keeps."""
+        """Whether a paced request must wait for the backlog ``pace`` keeps, or for the first
+        token of a request of priority 0 or better (whose arrival pumps the queue)."""
+        if pace.awaiting > 0:
+            return True
         wait = pace.hold(self.seconds)
         if wait <= 0:
             return False
@@ -116,6 +153,27 @@ class PacedPools:
             self._due = due
             self._timer = loop.call_later(wait, self._fire)
         return True
+
+    def favoured_sent(self, res: Reservation, pace: PrefillPace) -> None:
+        """``res``, of priority 0 or better, went to ``pace``'s engine: while it is streamed and
+        its first token not yet seen, paced requests wait for it there."""
+        if self.seconds > 0 and res.streamed and not res.started:
+            pace.awaiting += 1
+
+    def favoured_started(self, res: Reservation, paces: list[PrefillPace]) -> None:
+        """``res`` (and its shadows, in ``paces``) has its first token, or ended first: the
+        queue is tried again where it was the last one awaited."""
+        if self.seconds <= 0 or res.priority > 0 or not res.streamed:
+            return
+        if res.started or res.released:
+            return  # counted off already (or never counted)
+        freed = False
+        for pace in paces:
+            if pace.awaiting > 0:
+                pace.awaiting -= 1
+                freed = freed or pace.awaiting == 0
+        if freed:
+            self._pump()
 
     def _fire(self) -> None:
         self._timer, self._due = None, math.inf
