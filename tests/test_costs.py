@@ -107,6 +107,26 @@ def test_prefix_cache_hits_are_not_counted_as_computed() -> None:
     assert costs.prefill_seconds_per_token() == pytest.approx(2e-5, rel=0.05)
 
 
+@pytest.mark.parametrize(
+    ("per_token", "cached", "net", "whole"),
+    [
+        (2e-5, 0.0, 2e-5, (0.010 + 2e-5 * 256) / 256),
+        (2e-5, 0.5, 2e-5, (0.010 + 2e-5 * 128) / 256),  # per prompt token, hits included
+        # each prefill took no longer than a decode step: the net cost reads nothing, a prompt
+        # still held its engine for a step (what --priority-pace counts)
+        (0.0, 0.0, 0.0, 0.010 / 256),
+    ],
+)
+def test_a_prompts_whole_prefill_keeps_its_step(
+    per_token: float, cached: float, net: float, whole: float
+) -> None:
+    costs = EngineCosts()
+    assert costs.prompt_seconds_per_token() is None  # nothing measured
+    learn(Engine(base=0.010, per_token=per_token), costs, [(8, 2)] * 10, cached=cached)
+    assert costs.prefill_seconds_per_token() == pytest.approx(net, rel=0.05, abs=1e-9)
+    assert costs.prompt_seconds_per_token() == pytest.approx(whole, rel=0.05)
+
+
 def test_a_host_that_slows_both_alike_leaves_the_recompute_in_steps_unchanged() -> None:
     """A busy host that makes the engine's steps three times slower makes its prefills three
     times slower too: the recompute in decode steps, the ratio, stays (a fit of the step time

@@ -69,23 +69,22 @@ def test_the_backlog_drains_at_a_second_a_second(
 ) -> None:
     clock = Clock()
     pace_ = PrefillPace(clock=clock)
-    pace_.sent(1000, sent_seconds / 2000, sent_seconds / 2)
+    pace_.sent(1000, sent_seconds / 1000, None)
     clock.now += elapsed
     assert pace_.hold(pace) == pytest.approx(hold, abs=1e-12)
 
 
-def test_the_priors_count_until_a_prefill_and_a_step_are_measured() -> None:
+def test_the_priors_count_until_a_prefill_is_measured() -> None:
     clock = Clock()
     pace = PrefillPace(clock=clock)
-    pace.sent(2000, None, None)  # the prompt and a step of 1,024 tokens at the prior
     prior = PRIOR_PREFILL_SECONDS_PER_TOKEN
+    pace.sent(2000, None, None)  # the prompt and a step of 1,024 tokens at the prior
     assert pace.backlog() == pytest.approx((2000 + PRIOR_PREFILL_TOKENS_PER_STEP) * prior)
-    pace.sent(2000, 1e-6, None)  # a measured token cost prices the step too
-    extra = (2000 + PRIOR_PREFILL_TOKENS_PER_STEP) * 1e-6
-    assert pace.backlog() == pytest.approx((2000 + PRIOR_PREFILL_TOKENS_PER_STEP) * prior + extra)
-    pace.sent(2000, None, 0.01)  # a measured step
+    pace.sent(2000, None, 0.01)  # a measured decode step, no prefill measured yet
+    assert pace.backlog() == pytest.approx((4000 + PRIOR_PREFILL_TOKENS_PER_STEP) * prior + 0.01)
+    pace.sent(2000, 1e-6, 0.01)  # a measured prefill: its steps are in it
     assert pace.backlog() == pytest.approx(
-        (4000 + PRIOR_PREFILL_TOKENS_PER_STEP) * prior + extra + 0.01
+        (4000 + PRIOR_PREFILL_TOKENS_PER_STEP) * prior + 0.01 + 2000 * 1e-6
     )
 
 

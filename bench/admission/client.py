@@ -285,6 +285,10 @@ async def sample(
                             # newer sidecars: admission's figure and the shared prefix blocks
                             "future_peak_blocks",
                             "shared_blocks",
+                            # and the costs learned, with --priority-pace's backlog
+                            "decode_step_seconds",
+                            "step_seconds_per_token",
+                            "prefill_backlog_seconds",
                         )
                     }
             row["client"] = tracker.context()

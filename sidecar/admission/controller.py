@@ -368,7 +368,7 @@ class AdmissionController:
         """The request's prompts add to ``pool``'s prefill backlog (kept only while paced)."""
         if self.pacing.seconds > 0:
             costs = pool.view.costs
-            per_token, step = costs.prefill_seconds_per_token(), costs.decode_step_seconds
+            per_token, step = costs.prompt_seconds_per_token(), costs.decode_step_seconds
             pool.pace.sent(ask.projection.prompt_total, per_token, step)
 
     def _admit(

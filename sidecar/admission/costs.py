@@ -165,6 +165,9 @@ class EngineCosts:
         # prefills' own seconds (less a decode step each) and their computed prompt tokens
         self._prefill_seconds = 0.0
         self._prefill_tokens = 0.0
+        # prefills' whole seconds (their steps' decoding included) and their prompt tokens
+        self._gross_seconds = 0.0
+        self._gross_tokens = 0.0
 
     def update(
         self, prev: EngineSnapshot, snap: EngineSnapshot, *, shared: float | None = None
@@ -191,12 +194,16 @@ class EngineCosts:
         taken = snap.prompt_tokens_total - prev.prompt_tokens_total
         cached = snap.prompt_tokens_cached - prev.prompt_tokens_cached
         computed = prompts * (1.0 - min(1.0, max(0.0, cached / taken)) if taken > 0 else 1.0)
-        spent = max(0.0, snap.prefill_seconds_sum - prev.prefill_seconds_sum - finished * step)
+        gross = max(0.0, snap.prefill_seconds_sum - prev.prefill_seconds_sum)
+        spent = max(0.0, gross - finished * step)
         if shared is not None:
             spent *= min(1.0, max(0.0, shared))
+            gross *= min(1.0, max(0.0, shared))
         decay = 1.0 - _EWMA
         self._prefill_seconds = decay * self._prefill_seconds + spent
         self._prefill_tokens = decay * self._prefill_tokens + computed
+        self._gross_seconds = decay * self._gross_seconds + gross
+        self._gross_tokens = decay * self._gross_tokens + prompts
 
     def line(self) -> tuple[float, float] | None:
         """(base, per sequence) of the decode line; None until measured."""
@@ -207,6 +214,19 @@ class EngineCosts:
         if self._prefill_tokens <= 0:
             return None
         return self._prefill_seconds / self._prefill_tokens
+
+    def prompt_seconds_per_token(self) -> float | None:
+        """A prompt's whole prefill time per prompt token (None: not measured yet): the steps
+        it was prefilled in, their decoding of the running batch included, over its prompt
+        tokens, prefix-cache hits included. What a prompt sent to vLLM holds its engine for, as
+        ``--priority-pace`` counts it. Unlike :meth:`prefill_seconds_per_token` no decode step
+        is taken off, so it is not read as nothing where a prefill's step took no longer than
+        the interval's mean decode step, itself lengthened by other requests' prefills: on the
+        simulated 8B priority workload that one read 0 two seconds in, while chats of 300-750
+        tokens each took a step twice a plain decode step."""
+        if self._gross_tokens <= 0:
+            return None
+        return self._gross_seconds / self._gross_tokens
 
     def step_seconds(self, batch: float) -> float | None:
         """A decode step's expected time with ``batch`` sequences running (None: unknown):

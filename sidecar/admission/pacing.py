@@ -10,15 +10,14 @@ and an interactive chat the sidecar admitted at once 0.5 s later waited behind t
 No KV admission rule reaches that wait: the room is there, the queue is vLLM's.
 
 So the sidecar keeps that queue short itself. It keeps, per engine, the **prefill backlog**: the
-seconds of prefill of the prompts it has forwarded (every priority), each prompt's tokens at the
-learned cost of a prompt token (``EngineCosts.prefill_seconds_per_token``; until one is measured,
-:data:`PRIOR_PREFILL_SECONDS_PER_TOKEN`), drained at one second a second, the rate at which vLLM
-works through them. A request of a positive priority (a class the operator ranked below vLLM's
-default 0) goes only while that backlog is under ``--priority-pace`` seconds; otherwise it waits
-in the sidecar's queue, where a request of a better priority passes it, and the queue is tried
-again when the backlog will have drained. A request of priority 0 or better is never held by
-it: it then finds at most ``--priority-pace`` seconds of lower-priority prefill ahead of it in
-vLLM's queue (and one prompt more), however large the burst.
+seconds of prefill of the prompts it has forwarded (every priority), each prompt at the learned
+time a prompt's prefill holds the engine (below), drained at one second a second, the rate at
+which vLLM works through them. A request of a positive priority (a class the operator ranked
+below vLLM's default 0) goes only while that backlog is under ``--priority-pace`` seconds;
+otherwise it waits in the sidecar's queue, where a request of a better priority passes it, and
+the queue is tried again when the backlog will have drained. A request of priority 0 or better
+is never held by it: it then finds at most ``--priority-pace`` seconds of lower-priority prefill
+ahead of it in vLLM's queue (and one prompt more), however large the burst.
 
 While a streamed request of priority 0 or better that the sidecar forwarded to an engine waits for
 its first token, no request of a positive priority goes to that engine at all (the backlog's
@@ -35,22 +34,26 @@ first token: that is what the pace is for.
 
 The backlog is an estimate from the sidecar's own clock, not vLLM's queue read back (vLLM's
 gauges are a scrape old, half a second by default, and say nothing of a non-streamed request's
-first token). Each prompt adds its tokens at the learned cost and one decode step at the recent
-batch (``EngineCosts.decode_step_seconds``), and the backlog drains at one second a second: vLLM
-prefills a prompt in a step that also decodes everything it runs, and the step is not free. By
-the tokens alone, on the simulated 8B engine the backlog drained faster than vLLM prefilled
-beside a batch of 40-60 decoding sequences, and the prompts sent meanwhile piled up into steps of
-three to six prompts (0.1-0.2 s, where a decode step took 0.02 s). A step for each prompt
-overcounts when vLLM fits several prompts into one step, which errs toward pacing too slowly.
-Until a decode step is measured, a step is :data:`PRIOR_PREFILL_TOKENS_PER_STEP` prompt tokens'
-worth. Where the KV pool limits the batch (the usual case once the burst's first wave is in),
-admission holds it long before the pace does.
+first token). Each prompt adds what a prompt's prefill held the engine for, per prompt token,
+as measured on the requests vLLM finished (``EngineCosts.prompt_seconds_per_token``: the steps
+it was prefilled in, the running batch's decoding in them included), and the backlog drains at
+one second a second. vLLM prefills a prompt in a step that also decodes everything it runs, and
+that step is not free: counted by the prompt's tokens alone (the learned cost of a computed
+token, a decode step taken off each prefill), on the simulated 8B engine the backlog drained
+faster than vLLM prefilled beside a batch of 40-60 decoding sequences, and the prompts sent
+meanwhile piled up into steps of three to six prompts (0.1-0.2 simulated seconds, where a
+decode step took 0.01-0.02). Until a prefill is measured, a prompt costs its tokens at
+:data:`PRIOR_PREFILL_SECONDS_PER_TOKEN` and a decode step (the measured one, else
+:data:`PRIOR_PREFILL_TOKENS_PER_STEP` tokens' worth). A step counted for each prompt overcounts
+when vLLM fits several prompts into one step, which errs toward pacing too slowly. Where the KV
+pool limits the batch (the usual case once the burst's first wave is in), admission holds it
+long before the pace does.
 
 >>> clock = [0.0]
 >>> pace = PrefillPace(clock=lambda: clock[0])
 >>> pace.hold(0.1)
 0.0
->>> pace.sent(1000, 5e-5, 0.05)  # 0.05 s of prefill in a decode step of 0.05 s
+>>> pace.sent(2000, 5e-5, None)  # 0.1 s of prefill (measured: 5e-5 s a prompt token)
 >>> round(pace.hold(0.1), 9)  # the next waits until the backlog is under the pace
 1e-09
 >>> clock[0] = 0.05
@@ -107,17 +110,21 @@ class PrefillPace:
     def sent(
         self, prompt_tokens: int, seconds_per_token: float | None, step_seconds: float | None
     ) -> None:
-        """A request with ``prompt_tokens`` to prefill was forwarded to this engine: its tokens
-        at ``seconds_per_token`` (None: the prior), and a decode step of ``step_seconds`` (vLLM
-        decodes its running batch in the step that prefills the prompt; None: not measured,
-        :data:`PRIOR_PREFILL_TOKENS_PER_STEP` tokens' worth)."""
-        per_token = seconds_per_token
-        if per_token is None:
-            per_token = PRIOR_PREFILL_SECONDS_PER_TOKEN
-        step = step_seconds
-        if step is None:
-            step = PRIOR_PREFILL_TOKENS_PER_STEP * per_token
-        self._backlog = self.backlog() + prompt_tokens * per_token + step
+        """A request with ``prompt_tokens`` to prefill was forwarded to this engine, at
+        ``seconds_per_token`` (``EngineCosts.prompt_seconds_per_token``: a prompt's whole
+        prefill, its steps' decoding included). Until that is measured: its tokens at the prior
+        and a decode step of ``step_seconds`` (vLLM decodes its running batch in the step that
+        prefills the prompt; None: not measured either, :data:`PRIOR_PREFILL_TOKENS_PER_STEP`
+        tokens' worth)."""
+        if seconds_per_token is not None:
+            seconds = prompt_tokens * seconds_per_token
+        else:
+            prior = PRIOR_PREFILL_SECONDS_PER_TOKEN
+            step = (
+                step_seconds if step_seconds is not None else PRIOR_PREFILL_TOKENS_PER_STEP * prior
+            )
+            seconds = prompt_tokens * prior + step
+        self._backlog = self.backlog() + seconds
 
 
 class PacedPools:
