@@ -262,15 +262,16 @@ class Settings(BaseSettings):
     priority_pace: float = Field(default=0.0, ge=0)
     """Seconds of prefill a request of a positive priority (a batch class) may find ahead of it
     in vLLM's own first-come queue: such a request is forwarded only while the prompts already
-    sent (every priority, each at the learned cost of a prompt token) would be prefilled within
-    this, so that a burst of them enters vLLM about as fast as vLLM prefills it and a request of
-    priority 0 finds at most this much prefill ahead of it. Under --policy queue and spill (the
-    paced request waits in the sidecar's queue); nothing is paced while no request has a
-    positive priority. 0 (the default): not paced. With batch requests kept out of
-    --priority-reserve by their whole trajectories, 0.1 s cut the interactive class's TTFT p99
-    beside a batch burst from 1.93 s unpaced to 0.37 s on the simulated 8B engine, at 0.99x
-    the batch's goodput, but raised it from 2.95 to 6.79 s on the real vLLM CPU build at 0.80x
-    the batch's goodput (BENCHMARKS.md, Priority classes): off until it is measured on a GPU."""
+    sent (every priority, each at what a prompt's prefill was measured to hold the engine for)
+    would be prefilled within this, and while no streamed request of priority 0 or better sent
+    to the same engine awaits its first token, so that a burst of them enters vLLM about as fast
+    as vLLM prefills it and a request of priority 0 finds at most this much prefill ahead of it.
+    Under --policy queue and spill (the paced request waits in the sidecar's queue); nothing is
+    paced while no request has a positive priority. 0 (the default): not paced. On the
+    simulated 8B engine, beside a batch burst, 0.02 s held the interactive class's TTFT p99 to
+    0.089 s against 0.039 s alone, at 0.98x the batch's goodput unclassed (BENCHMARKS.md, The
+    pace held to the interactive class's first tokens); an earlier pace raised it on the real
+    vLLM CPU build (Priority classes): off until it is measured on a GPU."""
     tenant_shares: str | None = None
     """Inside a priority, tenants (the x-kv-sidecar-tenant header, else the API key's digest)
     share the KV cache by weight: comma-separated TENANT=SHARE. Unset: every tenant 1."""

@@ -401,6 +401,8 @@ PRIORITY_TEXT = {
     "tenant never holds the whole budget",
     "sidecar-classes-unpaced": f"`--priority-rules {PRIORITY_RULES} --priority-pace 0` "
     "(adaptive): the batch's prompts not paced into vLLM",
+    "sidecar-classes-paced": f"`--priority-rules {PRIORITY_RULES} --priority-pace 0.1` "
+    "(adaptive): the batch's prompts paced into vLLM",
 }
 
 

@@ -83,8 +83,13 @@ PRIORITY_CONFIGS = [
 ]
 #: run only when named in --configs: batch capped at TENANT_MAX_SHARE of the budget (what one
 #: tenant may reserve), so that the interactive class finds room without waiting for a batch
-#: answer; and the classes with the batch's prompts not paced into vLLM (--priority-pace 0)
-PRIORITY_EXTRA_CONFIGS = ["sidecar-classes-capped", "sidecar-classes-unpaced"]
+#: answer; the classes with the batch's prompts not paced into vLLM (--priority-pace 0, the
+#: default since it was measured here), and paced (--priority-pace 0.1)
+PRIORITY_EXTRA_CONFIGS = [
+    "sidecar-classes-capped",
+    "sidecar-classes-unpaced",
+    "sidecar-classes-paced",
+]
 TENANT_MAX_SHARE = 0.8
 PRIORITY_SIDECARS: dict[str, tuple[str | None, list[str]]] = {
     "sidecar-alone": (None, []),
@@ -97,6 +102,10 @@ PRIORITY_SIDECARS: dict[str, tuple[str | None, list[str]]] = {
         ["--priority-rules", PRIORITY_RULES, "--tenant-max-share", str(TENANT_MAX_SHARE)],
     ),
     "sidecar-classes-unpaced": (None, ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0"]),
+    "sidecar-classes-paced": (
+        None,
+        ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0.1"],
+    ),
 }
 
 

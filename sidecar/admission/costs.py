@@ -222,8 +222,9 @@ class EngineCosts:
         ``--priority-pace`` counts it. Unlike :meth:`prefill_seconds_per_token` no decode step
         is taken off, so it is not read as nothing where a prefill's step took no longer than
         the interval's mean decode step, itself lengthened by other requests' prefills: on the
-        simulated 8B priority workload that one read 0 two seconds in, while chats of 300-750
-        tokens each took a step twice a plain decode step."""
+        simulated 8B priority workload that one read 0 from 2.5 simulated seconds on, where chats
+        of 280-560 tokens were prefilled in steps of 0.015-0.022 s beside plain decode steps of
+        0.013 s (BENCHMARKS.md, The pace held to the interactive class's first tokens)."""
         if self._gross_tokens <= 0:
             return None
         return self._gross_seconds / self._gross_tokens

@@ -25,12 +25,13 @@ count of what is ahead of the favoured request is an estimate; its first token i
 chunked prefill gives each step's token budget to the requests it already runs first, so a batch
 prompt sent after an interactive one, while the interactive prompt still waits or is
 half-prefilled, is prefilled in the same steps and lengthens them: on the simulated 8B engine
-(BENCHMARKS.md, The priority workload at GPU sizes) a chat's prompt of 294 tokens was prefilled
-78 tokens at a time beside five batch prompts sent after it, in steps of 0.16-0.23 s where a
-decode step took 0.02 s. A non-streamed request's first token is not seen (it is counted as
-started when it is forwarded), so it holds nothing. At a high enough rate of streamed requests
-of priority 0 and better, this holds the batch class back for as long as any of them awaits its
-first token: that is what the pace is for.
+(BENCHMARKS.md, The pace held to the interactive class's first tokens) a chat's prompt of 294
+tokens was prefilled 78 and then 216 tokens at a time, in the two steps that took in nine batch
+prompts with it (0.23 and 0.16 simulated seconds, where a plain decode step took 0.013). A
+non-streamed request's first token is not seen (it is counted as started when it is forwarded),
+so it holds nothing. At a high enough rate of streamed requests of priority 0 and better, this
+holds the batch class back for as long as any of them awaits its first token: that is what the
+pace is for.
 
 The backlog is an estimate from the sidecar's own clock, not vLLM's queue read back (vLLM's
 gauges are a scrape old, half a second by default, and say nothing of a non-streamed request's
@@ -41,8 +42,8 @@ one second a second. vLLM prefills a prompt in a step that also decodes everythi
 that step is not free: counted by the prompt's tokens alone (the learned cost of a computed
 token, a decode step taken off each prefill), on the simulated 8B engine the backlog drained
 faster than vLLM prefilled beside a batch of 40-60 decoding sequences, and the prompts sent
-meanwhile piled up into steps of three to six prompts (0.1-0.2 simulated seconds, where a
-decode step took 0.01-0.02). Until a prefill is measured, a prompt costs its tokens at
+meanwhile piled up into steps of two to six prompts (0.08-0.23 simulated seconds, where a
+plain decode step took 0.013). Until a prefill is measured, a prompt costs its tokens at
 :data:`PRIOR_PREFILL_SECONDS_PER_TOKEN` and a decode step (the measured one, else
 :data:`PRIOR_PREFILL_TOKENS_PER_STEP` tokens' worth). A step counted for each prompt overcounts
 when vLLM fits several prompts into one step, which errs toward pacing too slowly. Where the KV

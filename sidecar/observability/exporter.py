@@ -474,9 +474,9 @@ def cost_families(state: KVState) -> list[Metric]:
         (
             "prefill_backlog_seconds",
             "Seconds of prefill the sidecar has forwarded to vLLM and not yet presumed done (the "
-            "prompts sent, at the learned cost of a prompt token, drained by the clock), summed "
-            "over the engines; requests of a positive priority wait while it is over "
-            "--priority-pace (kept only while it is set: 0 otherwise).",
+            "prompts sent, at what a prompt's prefill was measured to hold the engine for, "
+            "drained by the clock), summed over the engines; requests of a positive priority "
+            "wait while it is over --priority-pace (kept only while it is set: 0 otherwise).",
             state.prefill_backlog_seconds,
         ),
         (
