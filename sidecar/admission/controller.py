@@ -392,10 +392,12 @@ class AdmissionController:
             shadow.priority = ask.priority
             shadow.tenant_blocks = shadow.reserved_blocks
             res.shadows.append(shadow)
+        awaited = self.pacing.awaited(res)
         if ask.priority <= 0:
             for one in (res, *res.shadows):
                 self._favoured[one.engine] = self._favoured.get(one.engine, 0) + one.tenant_blocks
-                self.pacing.favoured_sent(res, self._pools.pool_of(one).pace)
+                if awaited:
+                    self.pacing.favoured_sent(self._pools.pool_of(one).pace)
         return res
 
     def _refuse(self, reason: Reason, message: str, ask: Ask, waited: float = 0.0) -> Decision:
@@ -563,9 +565,9 @@ class AdmissionController:
     def _first_token(self, res: Reservation) -> None:
         """A request of priority 0 or better has its first token, or ended first: paced
         requests no longer wait for it (``sidecar.admission.pacing``)."""
-        if res.priority <= 0 and not res.started and not res.released:
+        if self.pacing.awaited(res):
             paces = [self._pools.pool_of(one).pace for one in (res, *res.shadows)]
-            self.pacing.favoured_started(res, paces)
+            self.pacing.favoured_started(paces)
 
     def progressed(self, res: Reservation, generated_per_sequence: float) -> None:
         """The request has generated this many tokens per sequence."""

@@ -197,8 +197,8 @@ class EngineCosts:
         gross = max(0.0, snap.prefill_seconds_sum - prev.prefill_seconds_sum)
         spent = max(0.0, gross - finished * step)
         if shared is not None:
-            spent *= min(1.0, max(0.0, shared))
-            gross *= min(1.0, max(0.0, shared))
+            share = min(1.0, max(0.0, shared))
+            spent, gross = spent * share, gross * share
         decay = 1.0 - _EWMA
         self._prefill_seconds = decay * self._prefill_seconds + spent
         self._prefill_tokens = decay * self._prefill_tokens + computed

@@ -162,19 +162,26 @@ class PacedPools:
             self._timer = loop.call_later(wait, self._fire)
         return True
 
-    def favoured_sent(self, res: Reservation, pace: PrefillPace) -> None:
-        """``res``, of priority 0 or better, went to ``pace``'s engine: while it is streamed and
-        its first token not yet seen, paced requests wait for it there."""
-        if self.seconds > 0 and res.streamed and not res.started:
-            pace.awaiting += 1
+    def awaited(self, res: Reservation) -> bool:
+        """Whether paced requests wait for ``res``'s first token: it is of priority 0 or better,
+        streamed, and has neither started nor ended (and the sidecar paces at all)."""
+        return (
+            self.seconds > 0
+            and res.priority <= 0
+            and res.streamed
+            and not res.started
+            and not res.released
+        )
 
-    def favoured_started(self, res: Reservation, paces: list[PrefillPace]) -> None:
-        """``res`` (and its shadows, in ``paces``) has its first token, or ended first: the
-        queue is tried again where it was the last one awaited."""
-        if self.seconds <= 0 or res.priority > 0 or not res.streamed:
-            return
-        if res.started or res.released:
-            return  # counted off already (or never counted)
+    @staticmethod
+    def favoured_sent(pace: PrefillPace) -> None:
+        """An :meth:`awaited` request went to ``pace``'s engine: paced requests wait for it
+        there."""
+        pace.awaiting += 1
+
+    def favoured_started(self, paces: list[PrefillPace]) -> None:
+        """An :meth:`awaited` request (and its shadows, in ``paces``) has its first token, or
+        ended first: the queue is tried again where it was the last one awaited."""
         freed = False
         for pace in paces:
             if pace.awaiting > 0:
