@@ -559,7 +559,7 @@ def _risk_row() -> list[PanelBuilder]:
             "What admission learned of vLLM's costs: a decode step of its running batch (from "
             "its inter-token latency), what each sequence decoding adds to a step and what each "
             "prompt token computed adds (from vLLM's inter-token latency against its batch and "
-            "its requests' prefill times). "
+            "the prompt tokens its steps computed). "
             "--tpot-target is checked against the step a larger batch would make.",
             "s",
             [

@@ -345,6 +345,15 @@ def test_inter_token_latency_is_read() -> None:
     assert parse(old).inter_token_latency_sum == 2.0  # the name before vLLM renamed it
 
 
+def test_engine_steps_are_read_where_vllm_exports_them() -> None:
+    """vllm:iteration_tokens_total observes each engine step once: its count is the steps."""
+    assert parse(capture("under-load")).steps_total == 1453.0
+    assert parse(capture("fresh")).steps_total == 0.0
+    dp2 = parse((CRAFTED / "dp2-fresh-vllm-0.32.0.txt").read_text())
+    assert [e.steps_total for e in dp2.pools] == [0.0, 0.0]
+    assert parse((CRAFTED / "old-names-v0.txt").read_text()).steps_total is None
+
+
 def test_the_newest_lora_sample_is_kept() -> None:
     """vLLM sets vllm:lora_requests_info to the time of each update, under the adapters' names;
     older label sets stay with older times."""

@@ -26,12 +26,19 @@ ratio alike):
   is larger). A line whose slope is not positive tells nothing (noise, or a batch that never
   varied); until one is solved the fixed share is :data:`PRIOR_FIXED_SHARE`, which
   admission weighs against a cheap recompute only (``sidecar.admission.ends``);
-- the **prefill cost**: each finished request's prefill (``vllm:request_prefill_time_seconds``:
-  from being scheduled to its first token) less a decode step is what its prompt's computed
-  tokens added to the step it ran in; summed over the interval's requests and over their prompt
-  tokens less the prefix cache's hits (``vllm:request_prompt_tokens``,
-  ``vllm:prompt_tokens_cached_total``), a cost per prompt token. A preemption's **recompute**
-  is that times the preempted request's tokens, in decode steps at the recent step
+- the **prefill cost**, what a prompt token computed adds to the step it runs in: where vLLM
+  counts its steps (``vllm:iteration_tokens_total``, one observation a step), the slope of the
+  interval's mean step (its inter-token latency) on the prompt tokens computed a step
+  (``vllm:prompt_tokens_total`` less ``vllm:prompt_tokens_cached_total``, over the steps), the
+  tokens decoded a step held, by the same weighted least squares; until those varied apart,
+  each finished request's prefill (``vllm:request_prefill_time_seconds``: from being scheduled
+  to its first token) less a decode step, summed over the interval's requests and over their
+  prompt tokens less the prefix cache's hits (``vllm:request_prompt_tokens``). The second reads
+  too low where prompts of different sizes mix: vLLM reports a prefill when its request
+  finishes, and the interval's mean step it is set against is lengthened by the prefills of
+  other requests then (on the simulated 8B's priority workload it read 0, its chats' prefills
+  reported while the batch's prompts were prefilled). A preemption's **recompute** is the cost
+  times the preempted request's tokens, in decode steps at the recent step
   (:meth:`EngineCosts.recompute_steps`);
 - the **recent decode step**: vLLM's inter-token latency over the interval.
 
@@ -98,6 +105,9 @@ _EWMA = 0.2
 _LINE_EWMA = 0.05
 #: a batch whose weighted variance is below this share of its squared mean (or of 1) never varied
 _VARIED = 1e-4
+#: the batch and the prompt tokens a step moved together (their squared correlation above
+#: ``1 - _COLLINEAR``): the step's growth cannot be told apart between them
+_COLLINEAR = 0.01
 
 
 def reserve_quantile(
@@ -155,6 +165,50 @@ class _Line:
         return max(0.0, my - slope * mx), slope
 
 
+class _Plane:
+    """Exponentially weighted least squares of ``y`` on ``x`` and ``z``, with an intercept; the
+    slope on ``z`` alone where ``x`` never varied (its share then in the intercept)."""
+
+    __slots__ = ("sx", "sxx", "sxy", "sxz", "sy", "sz", "szy", "szz", "w")
+
+    def __init__(self) -> None:
+        self.w = self.sx = self.sz = self.sy = 0.0
+        self.sxx = self.szz = self.sxz = self.sxy = self.szy = 0.0
+
+    def learn(self, x: float, z: float, y: float) -> None:
+        decay = 1.0 - _LINE_EWMA
+        self.w = decay * self.w + 1.0
+        self.sx = decay * self.sx + x
+        self.sz = decay * self.sz + z
+        self.sy = decay * self.sy + y
+        self.sxx = decay * self.sxx + x * x
+        self.szz = decay * self.szz + z * z
+        self.sxz = decay * self.sxz + x * z
+        self.sxy = decay * self.sxy + x * y
+        self.szy = decay * self.szy + z * y
+
+    def z_slope(self) -> float | None:
+        """The slope on ``z`` with ``x`` held; None until ``z`` varied, and where ``x`` and
+        ``z`` moved together (:data:`_COLLINEAR`)."""
+        if self.w <= 0:
+            return None
+        w = self.w
+        mx, mz, my = self.sx / w, self.sz / w, self.sy / w
+        vzz = self.szz / w - mz * mz
+        if vzz <= _VARIED * max(1.0, mz * mz):
+            return None
+        czy = self.szy / w - mz * my
+        vxx = self.sxx / w - mx * mx
+        if vxx <= _VARIED * max(1.0, mx * mx):
+            return czy / vzz
+        vxz = self.sxz / w - mx * mz
+        det = vxx * vzz - vxz * vxz
+        if det <= _COLLINEAR * vxx * vzz:
+            return None
+        cxy = self.sxy / w - mx * my
+        return (czy * vxx - cxy * vxz) / det
+
+
 class EngineCosts:
     """Step costs of one engine, learned from its scrapes."""
 
@@ -162,6 +216,8 @@ class EngineCosts:
         self.decode_step_seconds: float | None = None  # smoothed inter-token latency
         self.batch: float = 0.0  # running sequences in the last interval learned from
         self._line = _Line()  # decode step against the batch
+        # the mean step against the tokens decoded and the prompt tokens computed a step
+        self._steps = _Plane()
         # prefills' own seconds (less a decode step each) and their computed prompt tokens
         self._prefill_seconds = 0.0
         self._prefill_tokens = 0.0
@@ -186,13 +242,17 @@ class EngineCosts:
             old = self.decode_step_seconds
             self.decode_step_seconds = step if old is None else (1 - _EWMA) * old + _EWMA * step
             self._line.learn(self.batch, step)
+        taken = snap.prompt_tokens_total - prev.prompt_tokens_total
+        cached = snap.prompt_tokens_cached - prev.prompt_tokens_cached
+        if step is not None and prev.steps_total is not None and snap.steps_total is not None:
+            steps = snap.steps_total - prev.steps_total
+            if steps > 0:
+                self._steps.learn(tokens / steps, max(0.0, taken - cached) / steps, step)
         step = step if step is not None else self.decode_step_seconds
         finished = snap.prefill_count - prev.prefill_count
         prompts = snap.prompt_tokens_sum - prev.prompt_tokens_sum
         if step is None or finished <= 0 or prompts <= 0:
             return
-        taken = snap.prompt_tokens_total - prev.prompt_tokens_total
-        cached = snap.prompt_tokens_cached - prev.prompt_tokens_cached
         computed = prompts * (1.0 - min(1.0, max(0.0, cached / taken)) if taken > 0 else 1.0)
         gross = max(0.0, snap.prefill_seconds_sum - prev.prefill_seconds_sum)
         spent = max(0.0, gross - finished * step)
@@ -210,7 +270,13 @@ class EngineCosts:
         return self._line.solve()
 
     def prefill_seconds_per_token(self) -> float | None:
-        """What a prompt token computed adds to a step (None: not measured yet)."""
+        """What a prompt token computed adds to a step (None: not measured yet): the slope of
+        the mean step on the prompt tokens computed a step, the tokens decoded a step held,
+        where vLLM counts its steps and those varied; else the finished requests' prefills less
+        a decode step each, over their computed tokens."""
+        slope = self._steps.z_slope()
+        if slope is not None and slope > 0:
+            return slope
         if self._prefill_tokens <= 0:
             return None
         return self._prefill_seconds / self._prefill_tokens

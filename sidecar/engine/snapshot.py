@@ -79,6 +79,9 @@ _PREFILL_COUNT = "request_prefill_time_seconds_count"
 _PROMPT_SUM = "request_prompt_tokens_sum"
 _PROMPT_TOKENS = "prompt_tokens_total"
 _PROMPT_CACHED = "prompt_tokens_cached_total"
+#: engine steps that gave outputs (``vllm:iteration_tokens_total``, one observation a step): with
+#: the tokens decoded and the prompt tokens computed, what a step's prompt tokens add to it
+_STEPS = "iteration_tokens_total_count"
 #: LoRA adapters running and waiting, as labels of a gauge vLLM sets to the time of each update
 #: (old label sets stay, with older times): relayed for the llm-d endpoint picker
 _LORA_INFO = "lora_requests_info"
@@ -107,6 +110,7 @@ _WANTED = frozenset(
         _PROMPT_SUM,
         _PROMPT_TOKENS,
         _PROMPT_CACHED,
+        _STEPS,
         _LORA_INFO,
         _ADMISSION_REJECTIONS,
         *_OLD_NAMES,
@@ -162,6 +166,7 @@ class EngineSnapshot:
     prompt_tokens_sum: float = 0.0  # finished requests' prompt tokens, summed
     prompt_tokens_total: float = 0.0  # prompt tokens vLLM took in, and of them those its
     prompt_tokens_cached: float = 0.0  # prefix cache held (not computed)
+    steps_total: float | None = None  # engine steps that gave outputs (None: not exported)
     #: the newest ``vllm:lora_requests_info`` sample (its labels and value), when vLLM serves LoRA
     lora_info: tuple[tuple[tuple[str, str], ...], float] | None = None
     #: ``vllm:admission_rejections_total`` by reason (``max_num_queued_reqs``,
@@ -315,6 +320,7 @@ def _parse(text: str, *, taken_at: float) -> EngineSnapshot:
         prompt_tokens_sum=_total(by_name, _PROMPT_SUM),
         prompt_tokens_total=_total(by_name, _PROMPT_TOKENS),
         prompt_tokens_cached=_total(by_name, _PROMPT_CACHED),
+        steps_total=_total(by_name, _STEPS) if _STEPS in by_name else None,
         cache_dtype=_label_str(first_config, "cache_dtype"),
         mamba_cache_mode=_label_str(first_config, "mamba_cache_mode"),
         prefix_caching=_label_bool(first_config, "enable_prefix_caching"),
@@ -370,6 +376,7 @@ def _engine_snapshot(
         prompt_tokens_sum=value(_PROMPT_SUM),
         prompt_tokens_total=value(_PROMPT_TOKENS),
         prompt_tokens_cached=value(_PROMPT_CACHED),
+        steps_total=value(_STEPS) if _STEPS in by_name else None,
         cache_dtype=_label_str(config, "cache_dtype"),
         mamba_cache_mode=_label_str(config, "mamba_cache_mode"),
         prefix_caching=_label_bool(config, "enable_prefix_caching"),

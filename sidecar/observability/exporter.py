@@ -440,9 +440,10 @@ def cost_families(state: KVState) -> list[Metric]:
         ),
         (
             "engine_step_seconds_per_token",
-            "What each prompt token computed adds to vLLM's time (finished requests' prefill "
-            "time less a decode step, over their prompt tokens less prefix-cache hits; from "
-            "vllm:request_prefill_time_seconds and vllm:request_prompt_tokens).",
+            "What each prompt token computed adds to vLLM's step (the mean step's slope on the "
+            "prompt tokens computed a step, from vllm:iteration_tokens_total; until that is "
+            "solved, finished requests' prefill time less a decode step, over their prompt "
+            "tokens less prefix-cache hits).",
             state.step_seconds_per_token,
         ),
         (
