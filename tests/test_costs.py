@@ -315,8 +315,15 @@ def test_a_prompt_tokens_cost_is_read_off_the_steps_beside_other_prompts() -> No
     assert costs.prefill_seconds_per_token() == pytest.approx(5e-5, rel=0.02)
     old = blind.prefill_seconds_per_token()
     assert old is not None and old < 0.5 * 5e-5
-    # a recompute (in decode steps at the mean step) reads more than twice as costly
-    assert costs.recompute_steps(2500) > 2 * blind.recompute_steps(2500)
+    # a plain decode step at the last interval's 55 sequences, where the mean step of the
+    # intervals (the prefills' steps in it) reads 23 ms
+    plain = 0.010 + 6e-5 * 55
+    assert costs.plain_step_seconds() == pytest.approx(plain, rel=0.01)
+    assert blind.plain_step_seconds() == blind.decode_step_seconds
+    assert blind.decode_step_seconds is not None and blind.decode_step_seconds > 1.5 * plain
+    # a recompute of 2,500 tokens: 0.125 s, 9.4 plain steps; read as 2.2 without the steps
+    assert costs.recompute_steps(2500) == pytest.approx(2500 * 5e-5 / plain, rel=0.02)
+    assert blind.recompute_steps(2500) < 0.5 * costs.recompute_steps(2500)
 
 
 @pytest.mark.parametrize(
