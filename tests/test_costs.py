@@ -13,6 +13,7 @@ from sidecar.admission.costs import (
     PRIOR_FIXED_SHARE,
     PRIOR_PREFILL_TOKENS_PER_STEP,
     EngineCosts,
+    _Plane,
     reserve_quantile,
 )
 from sidecar.admission.engine_view import EngineView
@@ -348,3 +349,59 @@ def test_prompts_that_never_varied_apart_fall_back_to_the_finished_prefills(
         prev = snap
     assert costs._steps.z_slope() is None, why
     assert costs.prefill_seconds_per_token() == blind.prefill_seconds_per_token()
+
+
+def test_a_burst_prefilled_in_full_chunks_teaches_no_slope() -> None:
+    """A burst of long prompts prefilled in chunks of the step's whole token budget (8,192):
+    every step takes the same 10 ms + 8,192 x 25 us, while the prompt tokens vLLM counts (at
+    each request's first token) vary from interval to interval, two steps each (as on the
+    simulated 8B's thrash burst, where the slope read under 0.4 us a token through them). The
+    flat mean step says nothing of a prompt token's cost, and nothing is read from it (the
+    slope through such intervals is 0); once the decoding steps after it vary, it is read."""
+    costs = EngineCosts()
+    prev = dataclasses.replace(BASE, steps_total=0.0)
+    step = 0.010 + 8192 * 2.5e-5
+    # prompt tokens completed by interval: prompts of 2,000-4,000 tokens, 2-4 ending a step
+    burst = [15_000, 17_500, 16_400, 18_000, 14_800, 16_700]
+    for k, prompts in enumerate(burst):
+        assert prev.steps_total is not None
+        snap = dataclasses.replace(
+            prev,
+            taken_at=prev.taken_at + 0.5,
+            running=8 + 4 * k,
+            inter_token_latency_sum=prev.inter_token_latency_sum + 2 * (8 + 4 * k) * step,
+            inter_token_latency_count=prev.inter_token_latency_count + 2 * (8 + 4 * k),
+            steps_total=prev.steps_total + 2,
+            prompt_tokens_total=prev.prompt_tokens_total + prompts,
+        )
+        costs.update(prev, snap)
+        prev = snap
+    assert costs._steps.solve() is None
+    assert costs.prefill_seconds_per_token() is None
+    assert costs.recompute_steps(4096) == 4096 / PRIOR_PREFILL_TOKENS_PER_STEP
+    # then steps of 30 sequences decoding, with 0-2 prompts of 3,000 tokens each, one a step:
+    # the slope is read
+    engine = StepEngine(base=0.010, per_sequence=0.0, per_token=2.5e-5)
+    prev = engine.snap
+    for prompts in [(), (3000,), (3000, 3000), ()] * 3:
+        snap = engine.run(decoders=30, prompts=prompts)
+        costs.update(prev, snap)
+        prev = snap
+    assert costs.prefill_seconds_per_token() == pytest.approx(2.5e-5, rel=0.05)
+
+
+def test_a_step_that_reads_faster_with_more_sequences_is_fitted_without_them() -> None:
+    """Where the fit would make a step shorter with every sequence more (the batch small while
+    a burst's prompts were prefilled, large after), the sequences are left out: a step never
+    gets faster with more of them, and the prompt tokens' slope is fitted alone."""
+    plane = _Plane()
+    points = [(x, z, 0.012 + 2.5e-5 * z - 1e-4 * x) for x, z in
+              [(10, 8000), (12, 6000), (30, 0), (28, 150), (20, 3000), (26, 60)] * 4]  # fmt: skip
+    for x, z, y in points:
+        plane.learn(x, z, y)
+    solved = plane.solve()
+    assert solved is not None and solved[1] == 0.0
+    alone = _Plane()
+    for _, z, y in points:
+        alone.learn(0.0, z, y)
+    assert solved == alone.solve()

@@ -38,7 +38,7 @@ ratio alike):
   finishes, and the interval's mean step it is set against is lengthened by the prefills of
   other requests then (on the simulated 8B's priority workload it read 0, its chats' prefills
   reported while the batch's prompts were prefilled). A preemption's **recompute** is the cost
-  times the preempted request's tokens, in decode steps at the recent step
+  times the preempted request's tokens, in plain decode steps (the same fit at no prompt tokens)
   (:meth:`EngineCosts.recompute_steps`);
 - the **recent decode step**: vLLM's inter-token latency over the interval.
 
@@ -105,6 +105,14 @@ _EWMA = 0.2
 _LINE_EWMA = 0.05
 #: a batch whose weighted variance is below this share of its squared mean (or of 1) never varied
 _VARIED = 1e-4
+#: a mean step whose weighted deviation stayed under this share of its mean held still: a
+#: slope on it says nothing (a burst's chunked prefill makes every step alike, a full token
+#: budget each, while the prompt tokens counted at their requests' first tokens vary: on the
+#: simulated 8B's thrash burst the slope read under 0.4 us a token from 2.2 to 3.7 s, while
+#: the sidecar admitted 29 to 60 of its 64 requests)
+_STILL = 0.02
+#: intervals (weighted) the mean step's fit needs before it is read
+_FIRST_INTERVALS = 3.5
 #: the batch and the prompt tokens a step moved together (their squared correlation above
 #: ``1 - _COLLINEAR``): the step's growth cannot be told apart between them
 _COLLINEAR = 0.01
@@ -169,11 +177,11 @@ class _Plane:
     """Exponentially weighted least squares of ``y`` on ``x`` and ``z``, with an intercept; the
     slope on ``z`` alone where ``x`` never varied (its share then in the intercept)."""
 
-    __slots__ = ("sx", "sxx", "sxy", "sxz", "sy", "sz", "szy", "szz", "w")
+    __slots__ = ("sx", "sxx", "sxy", "sxz", "sy", "syy", "sz", "szy", "szz", "w")
 
     def __init__(self) -> None:
         self.w = self.sx = self.sz = self.sy = 0.0
-        self.sxx = self.szz = self.sxz = self.sxy = self.szy = 0.0
+        self.sxx = self.szz = self.sxz = self.sxy = self.szy = self.syy = 0.0
 
     def learn(self, x: float, z: float, y: float) -> None:
         decay = 1.0 - _LINE_EWMA
@@ -181,6 +189,7 @@ class _Plane:
         self.sx = decay * self.sx + x
         self.sz = decay * self.sz + z
         self.sy = decay * self.sy + y
+        self.syy = decay * self.syy + y * y
         self.sxx = decay * self.sxx + x * x
         self.szz = decay * self.szz + z * z
         self.sxz = decay * self.sxz + x * z
@@ -188,26 +197,33 @@ class _Plane:
         self.szy = decay * self.szy + z * y
 
     def solve(self) -> tuple[float, float, float] | None:
-        """(intercept, slope on ``x``, slope on ``z``); where ``x`` never varied its slope is
-        0 and its share in the intercept; None until ``z`` varied, and where ``x`` and ``z``
-        moved together (:data:`_COLLINEAR`)."""
-        if self.w <= 0:
+        """(intercept, slope on ``x``, slope on ``z``); where ``x`` never varied, or its slope
+        came out negative, it is left out (slope 0, its share in the intercept); None until
+        ``z`` varied, and where ``x`` and ``z``
+        moved together (:data:`_COLLINEAR`), or while ``y`` held still (:data:`_STILL`) or
+        fewer than :data:`_FIRST_INTERVALS` were learned."""
+        if self.w < _FIRST_INTERVALS:
             return None
         w = self.w
         mx, mz, my = self.sx / w, self.sz / w, self.sy / w
+        if self.syy / w - my * my <= (_STILL * my) ** 2:
+            return None
         vzz = self.szz / w - mz * mz
         if vzz <= _VARIED * max(1.0, mz * mz):
             return None
         czy = self.szy / w - mz * my
+        z_alone = (my - czy / vzz * mz, 0.0, czy / vzz)
         vxx = self.sxx / w - mx * mx
         if vxx <= _VARIED * max(1.0, mx * mx):
-            return my - czy / vzz * mz, 0.0, czy / vzz
+            return z_alone
         vxz = self.sxz / w - mx * mz
         det = vxx * vzz - vxz * vxz
         if det <= _COLLINEAR * vxx * vzz:
             return None
         cxy = self.sxy / w - mx * my
         on_x, on_z = (cxy * vzz - czy * vxz) / det, (czy * vxx - cxy * vxz) / det
+        if on_x < 0:  # more sequences never make a step faster: the fit without them
+            return z_alone
         return my - on_x * mx - on_z * mz, on_x, on_z
 
     def z_slope(self) -> float | None:
@@ -308,8 +324,8 @@ class EngineCosts:
         """A decode step with no prompt in it, at the recent batch (None: unknown): the mean
         step's fit at no prompt tokens a step, where solved; else the recent mean step. The
         mean step is lengthened by every prefill in its interval: on the simulated 8B's thrash
-        burst it read 0.24 s in the first seconds, where a plain step took 0.016 s, and a
-        recompute counted in such steps read as nothing."""
+        burst it read 0.24 s 3 s into the burst and 0.016 s from 19 s on, with no prompt left
+        to prefill, and a recompute counted in the first read fifteen times too cheap."""
         solved = self._steps.solve()
         if solved is not None:
             plain = solved[0] + solved[1] * self._decoding
