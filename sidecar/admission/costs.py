@@ -109,7 +109,7 @@ _VARIED = 1e-4
 #: slope on it says nothing (a burst's chunked prefill makes every step alike, a full token
 #: budget each, while the prompt tokens counted at their requests' first tokens vary: on the
 #: simulated 8B's thrash burst the slope read under 0.4 us a token from 2.2 to 3.7 s, while
-#: the sidecar admitted 29 to 60 of its 64 requests)
+#: the sidecar's requests in flight went from 48 to 60 of the burst's 64)
 _STILL = 0.02
 #: intervals (weighted) the mean step's fit needs before it is read
 _FIRST_INTERVALS = 3.5
