@@ -314,6 +314,10 @@ def test_a_prompt_tokens_cost_is_read_off_the_steps_beside_other_prompts() -> No
         )
         prev = snap
     assert costs.prefill_seconds_per_token() == pytest.approx(5e-5, rel=0.02)
+    # the decode line with the prefills taken out: 10 ms and 60 us a sequence
+    line = costs.line()
+    assert line is not None
+    assert line[0] == pytest.approx(0.010, rel=0.02) and line[1] == pytest.approx(6e-5, rel=0.02)
     old = blind.prefill_seconds_per_token()
     assert old is not None and old < 0.5 * 5e-5
     # a plain decode step at the last interval's 55 sequences, where the mean step of the

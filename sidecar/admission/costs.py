@@ -291,7 +291,17 @@ class EngineCosts:
         self._gross_tokens = decay * self._gross_tokens + prompts
 
     def line(self) -> tuple[float, float] | None:
-        """(base, per sequence) of the decode line; None until measured."""
+        """(base, per sequence) of the decode line; None until measured: the mean step's fit at
+        no prompt tokens where the tokens decoded a step varied in it (the step with the
+        prefills in it taken out), else the inter-token latency against the running batch.
+        The second needs the batch to vary while it decodes, which a sidecar that holds a burst
+        at what fits may never see (on the simulated 8B's thrash burst, run a second time on
+        the same vLLM: 29 requests held for 20 s, where vLLM alone
+        ran 30 on average and its recomputes cost it 2.4-2.6% of its time); the first sees the
+        batch grow as the burst's prompts are prefilled."""
+        solved = self._steps.solve()
+        if solved is not None and solved[1] > 0:
+            return max(0.0, solved[0]), solved[1]
         return self._line.solve()
 
     def prefill_seconds_per_token(self) -> float | None:
