@@ -558,8 +558,8 @@ def _risk_row() -> list[PanelBuilder]:
             "Engine costs: the decode step",
             "What admission learned of vLLM's costs: a decode step of its running batch (from "
             "its inter-token latency), what each sequence decoding adds to a step and what each "
-            "prompt token computed adds (from vLLM's inter-token latency against its batch and "
-            "the prompt tokens its steps computed). "
+            "prompt token computed adds (from vLLM's inter-token latency against the tokens "
+            "its steps decoded and the prompt tokens they computed). "
             "--tpot-target is checked against the step a larger batch would make.",
             "s",
             [

@@ -17,8 +17,11 @@ requests' steps in the engine core, so a slow API server or a busy host slows bo
 ratio alike):
 
 - the **decode line**: vLLM's inter-token latency over the interval (a decode step of its
-  running batch) against the batch (its running requests), fitted as ``step = base +
-  per_sequence x batch`` by exponentially weighted least squares. The step a larger batch would
+  running batch) against the batch, fitted as ``step = base + per_sequence x batch`` by
+  exponentially weighted least squares: with the prompt tokens computed a step as a second
+  variable and the tokens decoded a step as the batch, where vLLM counts its steps and both
+  varied (the prefills taken out of the step: :meth:`EngineCosts.line`), else against its
+  running requests. The step a larger batch would
   make (:meth:`EngineCosts.step_seconds`, what a latency objective is checked with) and the
   step's **fixed share**, ``base`` over the step at the recent batch: on a GPU, reading the
   weights once per step for the whole batch; what one sequence more gains
