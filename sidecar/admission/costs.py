@@ -180,13 +180,18 @@ class _Plane:
     """Exponentially weighted least squares of ``y`` on ``x`` and ``z``, with an intercept; the
     slope on ``z`` alone where ``x`` never varied (its share then in the intercept)."""
 
-    __slots__ = ("sx", "sxx", "sxy", "sxz", "sy", "syy", "sz", "szy", "szz", "w")
+    __slots__ = ("fresh", "solved", "sx", "sxx", "sxy", "sxz", "sy", "syy", "sz", "szy", "szz", "w")
 
     def __init__(self) -> None:
         self.w = self.sx = self.sz = self.sy = 0.0
         self.sxx = self.szz = self.sxz = self.sxy = self.szy = self.syy = 0.0
+        # what solve() found, kept until the next learn() (admission asks several times a
+        # decision)
+        self.solved: tuple[float, float, float] | None = None
+        self.fresh = False
 
     def learn(self, x: float, z: float, y: float) -> None:
+        self.fresh = False
         decay = 1.0 - _LINE_EWMA
         self.w = decay * self.w + 1.0
         self.sx = decay * self.sx + x
@@ -202,9 +207,14 @@ class _Plane:
     def solve(self) -> tuple[float, float, float] | None:
         """(intercept, slope on ``x``, slope on ``z``); where ``x`` never varied, or its slope
         came out negative, it is left out (slope 0, its share in the intercept); None until
-        ``z`` varied, and where ``x`` and ``z``
-        moved together (:data:`_COLLINEAR`), or while ``y`` held still (:data:`_STILL`) or
-        fewer than :data:`_FIRST_INTERVALS` were learned."""
+        ``z`` varied, and where ``x`` and ``z`` moved together (:data:`_COLLINEAR`), or while
+        ``y`` held still (:data:`_STILL`) or fewer than :data:`_FIRST_INTERVALS` were
+        learned."""
+        if not self.fresh:
+            self.solved, self.fresh = self._solve(), True
+        return self.solved
+
+    def _solve(self) -> tuple[float, float, float] | None:
         if self.w < _FIRST_INTERVALS:
             return None
         w = self.w
