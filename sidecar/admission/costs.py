@@ -309,7 +309,7 @@ class EngineCosts:
         prefills in it taken out), else the inter-token latency against the running batch.
         The second needs the batch to vary while it decodes, which a sidecar that holds a burst
         at what fits may never see (on the simulated 8B's thrash burst, run a second time on
-        the same vLLM: 29 requests held for 20 s, where vLLM alone
+        the same vLLM: 29 requests held for 23 s, where vLLM alone
         ran 30 on average and its recomputes cost it 2.4-2.6% of its time); the first sees the
         batch grow as the burst's prompts are prefilled."""
         solved = self._steps.solve()
