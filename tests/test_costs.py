@@ -409,3 +409,59 @@ def test_a_step_that_reads_faster_with_more_sequences_is_fitted_without_them() -
     for _, z, y in points:
         alone.learn(0.0, z, y)
     assert solved == alone.solve()
+
+
+def test_a_measured_line_is_kept_while_the_batch_holds_still() -> None:
+    """A window in which the batch held still says nothing of the line's slope: the line the
+    fit gave while the batch varied is kept (a sidecar that holds a burst at what fits sees the
+    batch vary only while the burst's prompts are prefilled, and the fit forgets that within
+    some 20 intervals)."""
+    engine = StepEngine(base=0.010, per_sequence=6e-5, per_token=5e-5)
+    costs = EngineCosts()
+    prev = engine.snap
+    for decoders, prompts in MIXED * 8:
+        snap = engine.run(decoders=decoders, prompts=prompts)
+        costs.update(prev, snap)
+        prev = snap
+    learned = costs.line()
+    assert learned is not None
+    for _ in range(200):  # 45 sequences decoding, nothing else, for 100 s
+        snap = engine.run(decoders=45, prompts=())
+        costs.update(prev, snap)
+        prev = snap
+    assert costs._steps.solve() is None or costs._steps.solve()[1] == 0.0  # the fit forgot
+    assert costs.line() == learned
+    share = costs.fixed_share()
+    assert share == pytest.approx(0.010 / (0.010 + 6e-5 * 45), rel=0.03)
+
+
+#: the simulated Llama-3.1-70B (harness/models): its weights and a 16-token block of its KV,
+#: the whole model's bytes, and a pool of 10,303 blocks
+WEIGHTS_70B, BLOCK_70B, POOL_70B = 141_107_412_992, 5_242_880, 10_303
+
+
+def test_the_roofline_stands_in_for_the_fixed_share_until_the_line_is_measured() -> None:
+    """A step bound by memory reads the weights once and every sequence's KV: at a full pool
+    the fixed share is the weights over the weights and the pool's KV (0.72 for the 70B's pool
+    here), the memory's speed cancelled. Without the weights it stays unknown, and a measured
+    line replaces it."""
+    costs = EngineCosts()
+    costs.roofline(WEIGHTS_70B, BLOCK_70B)
+    assert costs.fixed_share() is None  # no pool reported yet
+    costs.pool_blocks = POOL_70B
+    share = costs.fixed_share()
+    assert share == pytest.approx(WEIGHTS_70B / (WEIGHTS_70B + POOL_70B * BLOCK_70B))
+    assert share == pytest.approx(0.723, abs=0.001)
+    assert costs.gain_steps(2000, 30) == pytest.approx(2000 * share / 30)
+    unknown = EngineCosts()
+    unknown.roofline(None, BLOCK_70B)
+    unknown.pool_blocks = POOL_70B
+    assert unknown.fixed_share() is None
+    # measured: the line's share, not the roofline's
+    engine = StepEngine(base=0.010, per_sequence=6e-5, per_token=5e-5)
+    prev = engine.snap
+    for decoders, prompts in MIXED * 8:
+        snap = engine.run(decoders=decoders, prompts=prompts)
+        costs.update(prev, snap)
+        prev = snap
+    assert costs.fixed_share() == pytest.approx(0.010 / (0.010 + 6e-5 * 55), rel=0.03)

@@ -27,8 +27,13 @@ ratio alike):
   weights once per step for the whole batch; what one sequence more gains
   (:meth:`EngineCosts.gain_steps`, over the recent batch or the one it would join, whichever
   is larger). A line whose slope is not positive tells nothing (noise, or a batch that never
-  varied); until one is solved the fixed share is :data:`PRIOR_FIXED_SHARE`, which
-  admission weighs against a cheap recompute only (``sidecar.admission.ends``);
+  varied). Until one is solved the fixed share is the **roofline's** where the model's weights
+  are known (:meth:`EngineCosts.roofline`): a decode step bound by memory reads the weights
+  once and every sequence's KV, so at a full pool it is ``weights / (weights + the pool's KV
+  bytes)``, whatever the memory's speed (the simulated 70B at TP 8: 0.72 by it, 0.81 fitted
+  at 29 sequences late in its thrash burst; the 8B: 0.43). Where the weights are not known
+  either, it is :data:`PRIOR_FIXED_SHARE`, which admission weighs against a cheap recompute
+  only (``sidecar.admission.ends``);
 - the **prefill cost**, what a prompt token computed adds to the step it runs in: where vLLM
   counts its steps (``vllm:iteration_tokens_total``, one observation a step), the slope of the
   interval's mean step (its inter-token latency) on the prompt tokens computed a step
@@ -254,6 +259,9 @@ class EngineCosts:
         self._line = _Line()  # decode step against the batch
         # the mean step against the tokens decoded and the prompt tokens computed a step
         self._steps = _Plane()
+        self._measured: tuple[float, float] | None = None  # the fit's last line (line())
+        self._roofline: tuple[int, int] | None = None  # (weights, KV block) bytes (roofline())
+        self.pool_blocks: int | None = None  # the pool vLLM reported last
         self._decoding = 0.0  # tokens decoded a step in the last interval with steps counted
         # prefills' own seconds (less a decode step each) and their computed prompt tokens
         self._prefill_seconds = 0.0
@@ -311,11 +319,14 @@ class EngineCosts:
         at what fits may never see (on the simulated 8B's thrash burst, run a second time on
         the same vLLM: 29 requests held for 23 s, where vLLM alone
         ran 30 on average and its recomputes cost it 2.4-2.6% of its time); the first sees the
-        batch grow as the burst's prompts are prefilled."""
+        batch grow as the burst's prompts are prefilled. Where neither is solved now, the
+        last line the first gave: a window in which the batch held still says nothing of the
+        slope, and the fit forgets the intervals in which it varied within some 20 more."""
         solved = self._steps.solve()
         if solved is not None and solved[1] > 0:
-            return max(0.0, solved[0]), solved[1]
-        return self._line.solve()
+            self._measured = max(0.0, solved[0]), solved[1]
+            return self._measured
+        return self._line.solve() or self._measured
 
     def prefill_seconds_per_token(self) -> float | None:
         """What a prompt token computed adds to a step (None: not measured yet): the slope of
@@ -376,13 +387,26 @@ class EngineCosts:
             return tokens / PRIOR_PREFILL_TOKENS_PER_STEP
         return tokens * per_token / step
 
+    def roofline(self, weights_bytes: int | None, bytes_per_block: int | None) -> None:
+        """The model's weight bytes and a KV block's (the whole model's, both: a tensor-parallel
+        split divides them alike), for :meth:`fixed_share` while the decode line is not
+        solved; None: not known."""
+        self._roofline = None
+        if weights_bytes and bytes_per_block and weights_bytes > 0 and bytes_per_block > 0:
+            self._roofline = (weights_bytes, bytes_per_block)
+
     def fixed_share(self) -> float | None:
         """The share of a decode step at the recent batch that does not grow with the batch
-        (the line's base over its step there, at most 1; None: unknown). On a GPU that is
-        reading the weights, once per step for the whole batch."""
+        (the line's base over its step there, at most 1). On a GPU that is reading the
+        weights, once per step for the whole batch. Until the line is solved, the roofline's
+        share at a full pool (:meth:`roofline`; ``pool_blocks``: the pool vLLM reported), the
+        lowest it takes while the pool holds any KV, where preemptions happen; None: unknown."""
         line = self.line()
         if line is None:
-            return None
+            if self._roofline is None or not self.pool_blocks:
+                return None
+            weights, block = self._roofline
+            return weights / (weights + self.pool_blocks * block)
         step = line[0] + line[1] * max(1.0, self.batch)
         return min(1.0, line[0] / step) if step > 0 else None
 
