@@ -304,7 +304,11 @@ class Sidecar:
     def _found(self, engine: Engine, snap: EngineSnapshot) -> None:
         config = engine.config
         # vLLM's prefix caching (on unless its cache config says off) holds shared blocks once
-        self.admission.configure(config.blocks, share_prefixes=config.prefix_caching is not False)
+        self.admission.configure(
+            config.blocks,
+            share_prefixes=config.prefix_caching is not False,
+            roofline=config.roofline,
+        )
         if self.lengths is not None:
             self.lengths.restore(config.model)
         self.engine = engine

@@ -140,9 +140,11 @@ class AdmissionController:
         """The first pool's ledger: the only one unless vLLM runs data-parallel engines."""
         return self.pools[0].ledger
 
-    def configure(self, blocks: BlockMath, *, share_prefixes: bool) -> None:
-        """vLLM's block geometry and prefix caching, for every pool (at discovery)."""
-        self._pools.configure(blocks, share_prefixes=share_prefixes)
+    def configure(
+        self, blocks: BlockMath, *, share_prefixes: bool, roofline: tuple[int, int] | None = None
+    ) -> None:
+        """vLLM's block geometry, prefix caching and weight and KV block bytes, every pool's."""
+        self._pools.configure(blocks, share_prefixes=share_prefixes, roofline=roofline)
 
     # --- the engine's view -------------------------------------------------------------------
 

@@ -60,25 +60,38 @@ class Pools:
 
     def __init__(self, ledger: Ledger, *, clock: Callable[[], float]) -> None:
         self._clock = clock
+        self._roofline: tuple[int, int] | None = None  # weights, KV block bytes (configure())
         #: one pool per engine; the list is changed in place (the controller's ``pools`` is it)
         self.live: list[Pool] = [self._new("", ledger)]
         self.retired: dict[str, Pool] = {}  # pools of engines gone, until their requests end
 
     def _new(self, engine: str, ledger: Ledger) -> Pool:
         clock = self._clock
+        view = EngineView(ledger)
+        view.costs.roofline(*(self._roofline or (None, None)))
         return Pool(
             engine,
             ledger,
-            EngineView(ledger),
+            view,
             RetryPlanner(ledger, clock=clock),
             PrefillPace(clock=clock),
         )
 
-    def configure(self, blocks: BlockMath, *, share_prefixes: bool) -> None:
-        """vLLM's block geometry and prefix caching, for every pool (at discovery)."""
+    def configure(
+        self,
+        blocks: BlockMath,
+        *,
+        share_prefixes: bool,
+        roofline: tuple[int, int] | None = None,
+    ) -> None:
+        """vLLM's block geometry and prefix caching, and where known the model's weight bytes
+        and a KV block's (the costs' roofline: ``EngineCosts.roofline``), for every pool (at
+        discovery)."""
+        self._roofline = roofline
         for pool in self.live:
             pool.ledger.blocks = blocks
             pool.ledger.share_prefixes = share_prefixes
+            pool.view.costs.roofline(*(roofline or (None, None)))
 
     def update(self, snap: EngineSnapshot) -> float:
         """Take a fresh scrape of vLLM (re-pooling if its engines changed); the preemptions

@@ -28,6 +28,7 @@ from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.engine.versions import ReportedVersion, VersionCheck, parse_version_answer
 from sidecar.errors import ConfigError, GeometryError
 from sidecar.kv.geometry import KVGeometry, ModelKV, UniformBlocks, load_config
+from sidecar.kv.memory import model_weights
 from sidecar.kv.projection import BlockMath
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,16 @@ class EngineConfig:
     max_tokens_cap: int | None = None
     #: what vLLM's ``GET /version`` said (None: no /version, or an answer that names none)
     vllm_version: str | None = None
+    #: the model's weight bytes (its checkpoint's, else its parameters') where its config was
+    #: read, for the costs' roofline (``EngineCosts.roofline``)
+    weights_bytes: int | None = None
+
+    @property
+    def roofline(self) -> tuple[int, int] | None:
+        """(weight bytes, KV block bytes), the whole model's both; None: not known."""
+        if self.weights_bytes is None or self.model_dir is None or not self.bytes_per_block:
+            return None
+        return self.weights_bytes, self.bytes_per_block
 
     def with_snapshot(self, snap: EngineSnapshot) -> EngineConfig:
         """This config with the pool a newer scrape reports (a new value, or ``self``)."""
@@ -107,17 +118,18 @@ async def discover(
 
     model_dir = _model_dir(model_config_path, entry.get("root"))
     geometry: KVGeometry | None = None
+    weights: int | None = None
     if model_dir is not None:
         try:
-            kv = ModelKV.from_config(
-                load_config(model_dir), kv_cache_dtype=snap.cache_dtype or "auto"
-            )
+            config = load_config(model_dir)
+            kv = ModelKV.from_config(config, kv_cache_dtype=snap.cache_dtype or "auto")
             geometry = KVGeometry.build(
                 kv,
                 block_size=snap.block_size,
                 max_model_len=context,
                 mamba_cache_mode=snap.state_cache_mode,
             )
+            weights = _weights(config, kv.model_dtype, model_dir)
         except GeometryError as exc:
             if model_config_path is not None:
                 raise ConfigError(f"--model-config: {exc}") from None
@@ -162,7 +174,18 @@ async def discover(
         default_max_tokens=default,
         max_tokens_cap=max_tokens_cap,
         vllm_version=reported.version,
+        weights_bytes=weights if geometry is not None else None,
     )
+
+
+def _weights(config: dict[str, Any], model_dtype: str, model_dir: Path) -> int | None:
+    """The model's weight bytes (``sidecar.kv.memory.model_weights``); None where its config
+    does not say (the costs' roofline is then not known, nothing else changes)."""
+    try:
+        return model_weights(config, model_dtype, model_dir).total_bytes
+    except (ConfigError, GeometryError, KeyError, TypeError, ValueError) as exc:
+        log.info("the model's weight bytes are not known (%s): no roofline for the costs", exc)
+        return None
 
 
 #: what this process said about vLLM's version already (each problem is logged once)
