@@ -289,6 +289,10 @@ async def sample(
                             "decode_step_seconds",
                             "step_seconds_per_token",
                             "prefill_backlog_seconds",
+                            # the decode line's fixed share (what a sequence more saves) and
+                            # the placements the spread ends' second opinion allowed
+                            "step_fixed_share",
+                            "spread_admitted",
                         )
                     }
             row["client"] = tracker.context()

@@ -83,6 +83,8 @@ def _sidecar_figures(text: str) -> dict[str, Any]:
         "requests_by_reason": by("kv_sidecar_requests_total", "decision", "reason"),
         # adaptive mode: what each class seen reserves for a short prompt at the end of the run
         "reserved_output_tokens": by("kv_sidecar_expected_output_tokens", "class"),
+        # adaptive mode: placements the spread ends' second opinion allowed past the laid-out peak
+        "spread_admissions": sum(by("kv_sidecar_spread_admissions_total").values()),
     }
 
 
