@@ -30,8 +30,9 @@ ratio alike):
   varied). Until one is solved the fixed share is the **roofline's** where the model's weights
   are known (:meth:`EngineCosts.roofline`): a decode step bound by memory reads the weights
   once and every sequence's KV, so at a full pool it is ``weights / (weights + the pool's KV
-  bytes)``, whatever the memory's speed (the simulated 70B at TP 8: 0.72 by it, 0.81 fitted
-  at 29 sequences late in its thrash burst; the 8B: 0.43). Where the weights are not known
+  bytes)``, whatever the memory's speed (the simulated 70B at TP 8: 0.72 by it over the
+  benchmarks' pool, about 0.8 at 29 sequences by its decode steps at 29 and at 2 sequences in
+  its thrash burst, 11.8 and 9.6 ms; the 8B: 0.43). Where the weights are not known
   either, it is :data:`PRIOR_FIXED_SHARE`, which admission weighs against a cheap recompute
   only (``sidecar.admission.ends``);
 - the **prefill cost**, what a prompt token computed adds to the step it runs in: where vLLM
