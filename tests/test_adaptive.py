@@ -13,11 +13,9 @@ import pytest
 
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
-from sidecar.admission.costs import EngineCosts
 from sidecar.admission.decisions import Reason
-from sidecar.admission.ends import COLD_OUTPUT_TOKENS, Ends
-from sidecar.admission.learner import LengthLearner, pooled_length, request_class
-from sidecar.config import ReservationMode
+from sidecar.admission.ends import COLD_OUTPUT_TOKENS
+from sidecar.admission.learner import pooled_length, request_class
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
@@ -582,21 +580,3 @@ def test_a_batch_request_stays_out_of_the_priority_reserve_by_its_whole_trajecto
     plain = controller(clock)
     _costly(plain, clock, per_token=2e-5, running=512)
     assert plain.try_admit(Ask(completion(256, 600), True, klass=klass, priority=10)) is not None
-
-
-def test_a_weight_bound_model_risks_a_dear_recompute_by_its_roofline() -> None:
-    """A 12,000-token prompt's recompute is dear (12 decode steps by the prior's 1,024 tokens a
-    step): with the decode line unmeasured and no weights known, it is weighed against no gain,
-    and a cold class is reserved all of its max_tokens. With the roofline of a 70B-shaped model
-    (a fixed share of 0.72 at a full pool), running it alone saves more than even a certain
-    recompute costs: it is reserved from the floor, as vLLM risks it."""
-    klass = request_class("completions", 4096)
-    rule = Ends(ReservationMode.adaptive, LengthLearner(), risk_steps=1.0)
-    blind = EngineCosts()
-    assert blind.recompute_steps(12_000 + COLD_OUTPUT_TOKENS) > 10.0
-    assert rule.end(klass, 12_000, 4096, blind) == 4096
-    costs = EngineCosts()
-    costs.roofline(141_107_412_992, 5_242_880)
-    costs.pool_blocks = 10_303
-    assert costs.gain_steps(COLD_OUTPUT_TOKENS) > costs.recompute_steps(12_000 + 256)
-    assert rule.end(klass, 12_000, 4096, costs) == COLD_OUTPUT_TOKENS

@@ -16,7 +16,10 @@ from sidecar.admission.costs import (
     _Plane,
     reserve_quantile,
 )
+from sidecar.admission.ends import COLD_OUTPUT_TOKENS, Ends
 from sidecar.admission.engine_view import EngineView
+from sidecar.admission.learner import LengthLearner, request_class
+from sidecar.config import ReservationMode
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.geometry import UniformBlocks
 from sidecar.kv.ledger import Ledger
@@ -440,15 +443,30 @@ def test_a_measured_line_is_kept_while_the_batch_holds_still() -> None:
 WEIGHTS_70B, BLOCK_70B, POOL_70B = 141_107_412_992, 5_242_880, 10_303
 
 
+def taught_prompts_alone(costs: EngineCosts) -> None:
+    """Intervals whose prompt tokens varied while 30 sequences decoded throughout: a prompt
+    token's cost is measured (50 us), the decode line is not."""
+    engine = StepEngine(base=0.010, per_sequence=6e-5, per_token=5e-5)
+    prev = engine.snap
+    for decoders, prompts in [(30, (2000,)), (30, ()), (30, (2000, 2000)), (30, ())] * 8:
+        snap = engine.run(decoders=decoders, prompts=prompts)
+        costs.update(prev, snap)
+        prev = snap
+    assert costs.prefill_seconds_per_token() == pytest.approx(5e-5, rel=0.02)
+    assert costs.line() is None
+
+
 def test_the_roofline_stands_in_for_the_fixed_share_until_the_line_is_measured() -> None:
     """A step bound by memory reads the weights once and every sequence's KV: at a full pool
     the fixed share is the weights over the weights and the pool's KV (0.72 for the 70B's pool
-    here), the memory's speed cancelled. Without the weights it stays unknown, and a measured
-    line replaces it."""
+    here), the memory's speed cancelled. It is weighed once a prompt token's cost is measured
+    (against the prior's recompute it admitted a cold burst of long prompts at their floor);
+    without the weights the share stays unknown, and a measured line replaces it."""
     costs = EngineCosts()
     costs.roofline(WEIGHTS_70B, BLOCK_70B)
-    assert costs.fixed_share() is None  # no pool reported yet
     costs.pool_blocks = POOL_70B
+    assert costs.fixed_share() is None  # no prompt token's cost measured yet
+    taught_prompts_alone(costs)
     share = costs.fixed_share()
     assert share == pytest.approx(WEIGHTS_70B / (WEIGHTS_70B + POOL_70B * BLOCK_70B))
     assert share == pytest.approx(0.723, abs=0.001)
@@ -456,6 +474,7 @@ def test_the_roofline_stands_in_for_the_fixed_share_until_the_line_is_measured()
     unknown = EngineCosts()
     unknown.roofline(None, BLOCK_70B)
     unknown.pool_blocks = POOL_70B
+    taught_prompts_alone(unknown)
     assert unknown.fixed_share() is None
     # measured: the line's share, not the roofline's
     engine = StepEngine(base=0.010, per_sequence=6e-5, per_token=5e-5)
@@ -465,3 +484,28 @@ def test_the_roofline_stands_in_for_the_fixed_share_until_the_line_is_measured()
         costs.update(prev, snap)
         prev = snap
     assert costs.fixed_share() == pytest.approx(0.010 / (0.010 + 6e-5 * 55), rel=0.03)
+
+
+def test_a_weight_bound_model_risks_a_dear_recompute_by_its_roofline() -> None:
+    """A 3,000-token prompt whose class answers 1,500-2,500 tokens: its recompute is dear (21
+    plain decode steps at 50 us a prompt token, 30 sequences decoding). With the decode line
+    unmeasured and no weights known it is weighed against no gain and reserved, beside 29
+    others, to the pool's quantile of its class's answers (over 2,000 tokens). With the
+    roofline of a 70B-shaped model (a fixed share of 0.72 at a full pool), running its likely
+    2,000 tokens in the batch saves more than even a certain recompute costs: it is reserved
+    from the floor, as vLLM risks it."""
+    klass = request_class("completions", 4096)
+    learner = LengthLearner()
+    for i in range(64):
+        learner.observe(klass, 1500 + (i * 16) % 1000, at_max=False)
+    rule = Ends(ReservationMode.adaptive, learner, risk_steps=1.0)
+    blind = EngineCosts()
+    taught_prompts_alone(blind)
+    assert blind.recompute_steps(5000) > 20
+    assert rule.end(klass, 3000, 4096, blind, 30) > 2000
+    costs = EngineCosts()
+    costs.roofline(WEIGHTS_70B, BLOCK_70B)
+    costs.pool_blocks = POOL_70B
+    taught_prompts_alone(costs)
+    assert costs.gain_steps(2000, 30) > costs.recompute_steps(5000)
+    assert rule.end(klass, 3000, 4096, costs, 30) == COLD_OUTPUT_TOKENS

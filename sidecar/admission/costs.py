@@ -400,11 +400,17 @@ class EngineCosts:
         """The share of a decode step at the recent batch that does not grow with the batch
         (the line's base over its step there, at most 1). On a GPU that is reading the
         weights, once per step for the whole batch. Until the line is solved, the roofline's
-        share at a full pool (:meth:`roofline`; ``pool_blocks``: the pool vLLM reported), the
-        lowest it takes while the pool holds any KV, where preemptions happen; None: unknown."""
+        share at a full pool (:meth:`roofline`; ``pool_blocks``: the pool vLLM reported: the
+        lowest share while the pool holds any KV, where preemptions happen), once a prompt
+        token's cost is measured too. Weighed against the prior's recompute (1,024 tokens a
+        step, where the simulated 8B's steps gave some 350), it made a cold sidecar admit 44 of
+        the 8B's thrash burst at their floor at once, where reserved to their quantiles 29 went
+        in, and vLLM preempted 12-17 times a run (BENCHMARKS.md). None: unknown."""
         line = self.line()
         if line is None:
             if self._roofline is None or not self.pool_blocks:
+                return None
+            if self.prefill_seconds_per_token() is None:
                 return None
             weights, block = self._roofline
             return weights / (weights + self.pool_blocks * block)

@@ -463,7 +463,9 @@ def cost_families(state: KVState) -> list[Metric]:
             "engine_step_fixed_share",
             "The share of vLLM's decode step that does not grow with the batch (the decode "
             "line's base over its step at the recent batch): reading the weights, once per step "
-            "for all.",
+            "for all. Until the line is measured, the roofline's at a full pool where the "
+            "model's weights and a prompt token's cost are known: weights / (weights + the "
+            "pool's KV bytes).",
             state.step_fixed_share,
         ),
         (
