@@ -511,14 +511,9 @@ def test_only_a_cheap_recompute_is_admitted_by_its_prompt() -> None:
     assert end == COLD_OUTPUT_TOKENS  # the gain pays: the floor
     assert not ac.reserving.risked("completion:1000", 600, 1000, costs)
     assert ac.reserving.risked("completion:1000", 40, 1000, costs)
-    # by the future peak at the floor (7 blocks each, 600 + 256 tokens) while the pool holds
-    # them at their likely ends (9 blocks each, 600 + 450): 7; an eighth beside them, which
-    # the pool cannot hold at their likely ends, is reserved to a quantile of its class's
-    # lengths (the gain of a batch the pool cannot hold counts as nothing) and fits; the
-    # ninth does not. 8 in 64, where the floor alone lets 9 in, and by their prompts (5 blocks
-    # each) vLLM's rule 12
-    assert math.ceil((600 + likely) / 128) == 9
-    assert admitted(ac, completion(600, 1000), "completion:1000") == 8
+    # by the future peak at the floor: 7 blocks each (600 + 256 tokens), 9 in 64; by their
+    # prompts (5 blocks each) vLLM's rule would have admitted 12
+    assert admitted(ac, completion(600, 1000), "completion:1000") == 64 // math.ceil(856 / 128)
 
 
 def test_a_burst_of_known_lengths_is_admitted_by_its_trajectories_means() -> None:

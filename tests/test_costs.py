@@ -509,24 +509,3 @@ def test_a_weight_bound_model_risks_a_dear_recompute_by_its_roofline() -> None:
     taught_prompts_alone(costs)
     assert costs.gain_steps(2000, 30) > costs.recompute_steps(5000)
     assert rule.end(klass, 3000, 4096, costs, 30) == COLD_OUTPUT_TOKENS
-
-
-def test_a_dear_recompute_is_not_weighed_against_a_batch_the_pool_cannot_hold() -> None:
-    """The same request beside 29 others and beside 39: 40 sequences of 3,000 + 2,000 tokens
-    (313 blocks of 16 each) are more than the 10,303 blocks hold, so one more takes the place
-    of one vLLM preempts and saves nothing; it is reserved to the pool's quantile of its
-    class's answers, where beside 29 (32 fit) it is risked from the floor."""
-    klass = request_class("completions", 4096)
-    learner = LengthLearner()
-    for i in range(64):
-        learner.observe(klass, 1500 + (i * 16) % 1000, at_max=False)
-    rule = Ends(ReservationMode.adaptive, learner, risk_steps=1.0)
-    costs = EngineCosts()
-    costs.roofline(WEIGHTS_70B, BLOCK_70B)
-    costs.pool_blocks = POOL_70B
-    costs.blocks = UniformBlocks(16)
-    taught_prompts_alone(costs)
-    assert costs.pool_holds(32, 5000) and not costs.pool_holds(33, 5000)
-    assert rule.end(klass, 3000, 4096, costs, 30) == COLD_OUTPUT_TOKENS
-    assert rule.end(klass, 3000, 4096, costs, 40) > 2000
-    assert costs.gain_steps(2000, 40) > costs.recompute_steps(5000)  # what the cap refuses

@@ -87,7 +87,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sidecar.engine.snapshot import EngineSnapshot
-from sidecar.kv.blocks import BlockMath
 
 #: prefill tokens that cost one decode step, until measured: on a GPU a decode step of an 8B
 #: model (bound by reading the weights, ~16 GB at ~3 TB/s: ~6-10 ms with its KV) and a prefill
@@ -264,8 +263,6 @@ class EngineCosts:
         self._measured: tuple[float, float] | None = None  # the fit's last line (line())
         self._roofline: tuple[int, int] | None = None  # (weights, KV block) bytes (roofline())
         self.pool_blocks: int | None = None  # the pool vLLM reported last
-        #: the pool's block math (its ledger's), for :meth:`pool_holds`
-        self.blocks: BlockMath | None = None
         self._decoding = 0.0  # tokens decoded a step in the last interval with steps counted
         # prefills' own seconds (less a decode step each) and their computed prompt tokens
         self._prefill_seconds = 0.0
@@ -398,14 +395,6 @@ class EngineCosts:
         self._roofline = None
         if weights_bytes and bytes_per_block and weights_bytes > 0 and bytes_per_block > 0:
             self._roofline = (weights_bytes, bytes_per_block)
-
-    def pool_holds(self, sequences: float, tokens: int) -> bool | None:
-        """Whether the pool vLLM reported last holds ``sequences`` sequences of ``tokens``
-        tokens each at once (the blocks one holds there, under sliding windows' caps, a block
-        per group of a hybrid model); None: no pool reported yet."""
-        if not self.pool_blocks or self.blocks is None:
-            return None
-        return sequences * self.blocks.blocks_for_tokens(tokens) <= self.pool_blocks
 
     def fixed_share(self) -> float | None:
         """The share of a decode step at the recent batch that does not grow with the batch

@@ -183,7 +183,7 @@ class Ends:
         # the recompute a request may risk: what running it in the batch saves (measured; it
         # may then be reserved to the median), at least --risk-steps
         recompute = costs.recompute_steps(prompt_tokens + likely)
-        gain = _gain(costs, likely, concurrency, recompute, prompt_tokens)
+        gain = _gain(costs, likely, concurrency, recompute)
         risk = max(self.risk_steps, gain)
         if recompute <= CHEAP_RECOMPUTE_STEPS:
             return SURE, likely, risk, recompute
@@ -258,7 +258,7 @@ class Ends:
         benchmark client sends), and vLLM would preempt it for certain where the pool cannot
         hold it to its end."""
         recompute = costs.recompute_steps(prompt_tokens + max_tokens)
-        gain = _gain(costs, max_tokens, concurrency, recompute, prompt_tokens)
+        gain = _gain(costs, max_tokens, concurrency, recompute)
         return gain > self.risk_steps and gain >= recompute
 
     def _pooled_tail(self, klass: str, quantile: float, max_tokens: int, concurrency: float) -> int:
@@ -304,26 +304,14 @@ class Ends:
         return out
 
 
-def _gain(
-    costs: EngineCosts, tokens: float, concurrency: float, recompute: float, prompt_tokens: int
-) -> float:
+def _gain(costs: EngineCosts, tokens: float, concurrency: float, recompute: float) -> float:
     """What running a sequence of ``tokens`` in the batch saves, in decode steps
     (``EngineCosts.gain_steps``), as admission may weigh it against a recompute of ``recompute``
     steps: while the decode line is not measured the step's fixed share is a prior
     (``PRIOR_FIXED_SHARE``), and a guess risks only a cheap recompute (at most
     :data:`CHEAP_RECOMPUTE_STEPS`); a dearer one waits for the measured share (0 until then).
     Taken on a guess, a burst of long prompts with long answers would be admitted by its
-    floor, which is what makes vLLM run dry mid-decode and preempt (``Ends.risked``).
-
-    Nor is a dear recompute weighed against a batch the pool cannot hold: where the pool does
-    not hold the requests in flight with this one, each at its prompt and ``tokens``
-    (``EngineCosts.pool_holds``), one sequence more does not make the batch larger but takes
-    the place of one vLLM preempts. Weighed so, the simulated 8B's thrash burst was let in 48
-    at their floor within 5 s, where the pool holds some 32 of them at their likely ends, and
-    vLLM preempted 16 times (BENCHMARKS.md, The fixed share from the roofline)."""
-    if recompute > CHEAP_RECOMPUTE_STEPS:
-        if costs.fixed_share() is None:
-            return 0.0
-        if costs.pool_holds(concurrency, int(prompt_tokens + tokens)) is False:
-            return 0.0
+    floor, which is what makes vLLM run dry mid-decode and preempt (``Ends.risked``)."""
+    if costs.fixed_share() is None and recompute > CHEAP_RECOMPUTE_STEPS:
+        return 0.0
     return costs.gain_steps(tokens, concurrency)

@@ -41,7 +41,6 @@ class EngineView:
         self.freed_at_snapshot = self.ledger.freed_total
         if snap.capacity_blocks is not None:
             self.capacity_blocks = self.costs.pool_blocks = snap.capacity_blocks
-            self.costs.blocks = self.ledger.blocks
         preempted = 0.0
         if prev is not None:
             preempted = max(0.0, snap.preemptions_total - prev.preemptions_total)
