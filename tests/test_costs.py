@@ -397,6 +397,40 @@ def test_a_burst_prefilled_in_full_chunks_teaches_no_slope() -> None:
     assert costs.prefill_seconds_per_token() == pytest.approx(2.5e-5, rel=0.05)
 
 
+def test_a_burst_prefilled_in_full_chunks_teaches_no_decode_line() -> None:
+    """The same burst, each step a little longer with each sequence in it (10 us): the
+    inter-token latency against the batch (4 to 28 sequences) reads a line whose base is almost
+    the whole step, a fixed share of 0.99 (the simulated 8B's thrash burst read that 2.2 s in,
+    twice its roofline's share, and let requests in at their floor beside a pool that could
+    not hold them). Where vLLM counts its steps that line is not read: the steps' fit, with the
+    prefills taken out, says nothing yet, and neither does the share. A vLLM that does not
+    count them still has only that line."""
+    costs, blind = EngineCosts(), EngineCosts()
+    prev = dataclasses.replace(BASE, steps_total=0.0)
+    burst = [15_000, 17_500, 16_400, 18_000, 14_800, 16_700, 15_900]
+    for k, prompts in enumerate(burst):
+        running = 4 + 4 * k
+        step = 0.010 + 8192 * 2.5e-5 + 1e-5 * running
+        assert prev.steps_total is not None
+        snap = dataclasses.replace(
+            prev,
+            taken_at=prev.taken_at + 0.5,
+            running=running,
+            inter_token_latency_sum=prev.inter_token_latency_sum + 2 * running * step,
+            inter_token_latency_count=prev.inter_token_latency_count + 2 * running,
+            steps_total=prev.steps_total + 2,
+            prompt_tokens_total=prev.prompt_tokens_total + prompts,
+        )
+        costs.update(prev, snap)
+        blind.update(
+            dataclasses.replace(prev, steps_total=None), dataclasses.replace(snap, steps_total=None)
+        )
+        prev = snap
+    assert costs.line() is None
+    assert costs.fixed_share() is None
+    share = blind.fixed_share()
+    assert share is not None and share > 0.95
+
 def test_a_step_that_reads_faster_with_more_sequences_is_fitted_without_them() -> None:
     """Where the fit would make a step shorter with every sequence more (the batch small while
     a burst's prompts were prefilled, large after), the sequences are left out: a step never

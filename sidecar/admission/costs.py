@@ -263,6 +263,7 @@ class EngineCosts:
         self._measured: tuple[float, float] | None = None  # the fit's last line (line())
         self._roofline: tuple[int, int] | None = None  # (weights, KV block) bytes (roofline())
         self.pool_blocks: int | None = None  # the pool vLLM reported last
+        self._steps_counted = False  # vLLM counts its steps (the mean step's fit is read)
         self._decoding = 0.0  # tokens decoded a step in the last interval with steps counted
         # prefills' own seconds (less a decode step each) and their computed prompt tokens
         self._prefill_seconds = 0.0
@@ -292,6 +293,7 @@ class EngineCosts:
         cached = snap.prompt_tokens_cached - prev.prompt_tokens_cached
         if step is not None and prev.steps_total is not None and snap.steps_total is not None:
             steps = snap.steps_total - prev.steps_total
+            self._steps_counted = True
             if steps > 0:
                 self._decoding = tokens / steps
                 self._steps.learn(self._decoding, max(0.0, taken - cached) / steps, step)
@@ -322,10 +324,18 @@ class EngineCosts:
         ran 30 on average and its recomputes cost it 2.4-2.6% of its time); the first sees the
         batch grow as the burst's prompts are prefilled. Where neither is solved now, the
         last line the first gave: a window in which the batch held still says nothing of the
-        slope, and the fit forgets the intervals in which it varied within some 20 more."""
+        slope, and the fit forgets the intervals in which it varied within some 20 more.
+
+        The second is read only where vLLM does not count its steps: its intervals carry the
+        prefills. On the simulated 8B's thrash burst, 2.2 s in, the burst's prompts prefilled
+        in full 8,192-token chunks made every step some 0.24 s while the batch grew from 4 to
+        28, and that line read a fixed share of 0.99: twice the roofline's, it let requests in
+        at their floor beside a pool that could not hold them, and vLLM preempted them."""
         solved = self._steps.solve()
         if solved is not None and solved[1] > 0:
             self._measured = max(0.0, solved[0]), solved[1]
+            return self._measured
+        if self._steps_counted:
             return self._measured
         return self._line.solve() or self._measured
 

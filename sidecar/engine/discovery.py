@@ -174,7 +174,7 @@ async def discover(
         default_max_tokens=default,
         max_tokens_cap=max_tokens_cap,
         vllm_version=reported.version,
-        weights_bytes=weights if geometry is not None else None,
+        weights_bytes=weights,
     )
 
 
