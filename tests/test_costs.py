@@ -431,6 +431,7 @@ def test_a_burst_prefilled_in_full_chunks_teaches_no_decode_line() -> None:
     share = blind.fixed_share()
     assert share is not None and share > 0.95
 
+
 def test_a_step_that_reads_faster_with_more_sequences_is_fitted_without_them() -> None:
     """Where the fit would make a step shorter with every sequence more (the batch small while
     a burst's prompts were prefilled, large after), the sequences are left out: a step never
