@@ -120,6 +120,9 @@ _VARIED = 1e-4
 #: simulated 8B's thrash burst the slope read under 0.4 us a token from 2.2 to 3.7 s, while
 #: the sidecar's requests in flight went from 48 to 60 of the burst's 64)
 _STILL = 0.02
+#: a finished prefill's net time (less a decode step) under this share of its whole time reads
+#: as nothing: the interval's mean step, lengthened by other prompts' prefills, took it all
+_NOTHING = 0.01
 #: intervals (weighted) the mean step's fit needs before it is read
 _FIRST_INTERVALS = 3.5
 #: the batch and the prompt tokens a step moved together (their squared correlation above
@@ -343,11 +346,17 @@ class EngineCosts:
         """What a prompt token computed adds to a step (None: not measured yet): the slope of
         the mean step on the prompt tokens computed a step, the tokens decoded a step held,
         where vLLM counts its steps and those varied; else the finished requests' prefills less
-        a decode step each, over their computed tokens."""
+        a decode step each, over their computed tokens, where that is not nothing. Each prefill
+        is set against the mean step of the interval it finished in, which other prompts'
+        prefills lengthen: on the simulated 8B's thrash burst, 3 s in, the burst's prompts had
+        made that step 0.2 s, every finished prefill read less than it, and a prompt token
+        read as free; a recompute then cost nothing, and 21 requests were let in as vLLM admits
+        them, 49 in flight where the pool holds some 30 at their ends (vLLM preempted 18 times
+        in that run). Not measured until then."""
         slope = self._steps.z_slope()
         if slope is not None and slope > 0:
             return slope
-        if self._prefill_tokens <= 0:
+        if self._prefill_tokens <= 0 or self._prefill_seconds <= _NOTHING * self._gross_seconds:
             return None
         return self._prefill_seconds / self._prefill_tokens
 
