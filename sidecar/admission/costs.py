@@ -332,8 +332,8 @@ class EngineCosts:
         The second is read only where vLLM does not count its steps: its intervals carry the
         prefills. On the simulated 8B's thrash burst, 2.2 s in, the burst's prompts prefilled
         in full 8,192-token chunks made every step some 0.24 s while the batch grew from 4 to
-        28, and that line read a fixed share of 0.99: twice the roofline's, it let requests in
-        at their floor beside a pool that could not hold them, and vLLM preempted them."""
+        22, and that line read a fixed share of 0.99, twice the roofline's: a request was let
+        in at its floor on it (BENCHMARKS.md, A prompt token read as free)."""
         solved = self._steps.solve()
         if solved is not None and solved[1] > 0:
             self._measured = max(0.0, solved[0]), solved[1]
