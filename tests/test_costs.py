@@ -432,10 +432,10 @@ def test_a_burst_prefilled_in_full_chunks_teaches_no_decode_line() -> None:
     """The same burst, each step a little longer with each sequence in it (10 us): the
     inter-token latency against the batch (4 to 28 sequences) reads a line whose base is almost
     the whole step, a fixed share of 0.99 (the simulated 8B's thrash burst read that 2.2 s in,
-    twice its roofline's share, and let requests in at their floor beside a pool that could
-    not hold them). Where vLLM counts its steps that line is not read: the steps' fit, with the
-    prefills taken out, says nothing yet, and neither does the share. A vLLM that does not
-    count them still has only that line."""
+    twice its roofline's share, and let a request in at its floor). Where vLLM counts its
+    steps that line learns only from intervals that computed no prompt token, so here nothing:
+    the steps' fit, with the prefills taken out, says nothing yet, and neither does the share.
+    A vLLM that does not count them still has only that line."""
     costs, blind = EngineCosts(), EngineCosts()
     prev = dataclasses.replace(BASE, steps_total=0.0)
     burst = [15_000, 17_500, 16_400, 18_000, 14_800, 16_700, 15_900]
@@ -461,6 +461,34 @@ def test_a_burst_prefilled_in_full_chunks_teaches_no_decode_line() -> None:
     assert costs.fixed_share() is None
     share = blind.fixed_share()
     assert share is not None and share > 0.95
+
+
+def test_decode_steps_alone_teach_the_line_where_vllm_counts_its_steps() -> None:
+    """Intervals that computed no prompt token are decode steps alone: with vLLM's steps
+    counted, the inter-token latency against the running batch (5 down to 1 sequences, a step
+    of 10 ms + 1 ms a sequence) still gives the line there, where the steps' fit has no prompt
+    tokens that varied to solve with (the warm-up of ``tests/test_tpot_target_sim.py``)."""
+    costs = EngineCosts()
+    prev = dataclasses.replace(BASE, steps_total=0.0)
+    for running in (5, 4, 3, 2, 1) * 3:
+        step = 0.010 + 0.001 * running
+        steps = round(0.5 / step)
+        assert prev.steps_total is not None
+        snap = dataclasses.replace(
+            prev,
+            taken_at=prev.taken_at + 0.5,
+            running=running,
+            inter_token_latency_sum=prev.inter_token_latency_sum + steps * running * step,
+            inter_token_latency_count=prev.inter_token_latency_count + steps * running,
+            steps_total=prev.steps_total + steps,
+        )
+        costs.update(prev, snap)
+        prev = snap
+    line = costs.line()
+    assert line is not None
+    # each interval's batch is the mean of its two scrapes' running counts: half a sequence
+    # off the steps' own where it changed, so the fit leans (10.2 ms + 0.88 ms here)
+    assert line[0] == pytest.approx(0.010, rel=0.05) and line[1] == pytest.approx(0.001, rel=0.15)
 
 
 def test_a_step_that_reads_faster_with_more_sequences_is_fitted_without_them() -> None:

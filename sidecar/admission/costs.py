@@ -266,7 +266,6 @@ class EngineCosts:
         self._measured: tuple[float, float] | None = None  # the fit's last line (line())
         self._roofline: tuple[int, int] | None = None  # (weights, KV block) bytes (roofline())
         self.pool_blocks: int | None = None  # the pool vLLM reported last
-        self._steps_counted = False  # vLLM counts its steps (the mean step's fit is read)
         self._decoding = 0.0  # tokens decoded a step in the last interval with steps counted
         # prefills' own seconds (less a decode step each) and their computed prompt tokens
         self._prefill_seconds = 0.0
@@ -286,17 +285,20 @@ class EngineCosts:
             return
         self.batch = (prev.running + snap.running) / 2.0
         tokens = snap.inter_token_latency_count - prev.inter_token_latency_count
+        taken = snap.prompt_tokens_total - prev.prompt_tokens_total
+        cached = snap.prompt_tokens_cached - prev.prompt_tokens_cached
+        counted = prev.steps_total is not None and snap.steps_total is not None
         step: float | None = None
         if tokens > 0:
             step = max(0.0, snap.inter_token_latency_sum - prev.inter_token_latency_sum) / tokens
             old = self.decode_step_seconds
             self.decode_step_seconds = step if old is None else (1 - _EWMA) * old + _EWMA * step
-            self._line.learn(self.batch, step)
-        taken = snap.prompt_tokens_total - prev.prompt_tokens_total
-        cached = snap.prompt_tokens_cached - prev.prompt_tokens_cached
+            if not counted or taken - cached <= 0:
+                # where vLLM counts its steps, only an interval that computed no prompt
+                # token is one of decode steps alone (line())
+                self._line.learn(self.batch, step)
         if step is not None and prev.steps_total is not None and snap.steps_total is not None:
             steps = snap.steps_total - prev.steps_total
-            self._steps_counted = True
             if steps > 0:
                 self._decoding = tokens / steps
                 self._steps.learn(self._decoding, max(0.0, taken - cached) / steps, step)
@@ -329,16 +331,15 @@ class EngineCosts:
         last line the first gave: a window in which the batch held still says nothing of the
         slope, and the fit forgets the intervals in which it varied within some 20 more.
 
-        The second is read only where vLLM does not count its steps: its intervals carry the
-        prefills. On the simulated 8B's thrash burst, 2.2 s in, the burst's prompts prefilled
-        in full 8,192-token chunks made every step some 0.24 s while the batch grew from 4 to
-        22, and that line read a fixed share of 0.99, twice the roofline's: a request was let
-        in at its floor on it (BENCHMARKS.md, A prompt token read as free)."""
+        Where vLLM counts its steps, the second learns only from intervals that computed no
+        prompt token: the others carry prefills. On the simulated 8B's thrash burst, 2.2 s in,
+        the burst's prompts prefilled in full 8,192-token chunks made every step some 0.24 s
+        while the batch grew from 4 to 22, and a line read through them gave a fixed share of
+        0.99, twice the roofline's: a request was let in at its floor on it (BENCHMARKS.md, A
+        prompt token read as free)."""
         solved = self._steps.solve()
         if solved is not None and solved[1] > 0:
             self._measured = max(0.0, solved[0]), solved[1]
-            return self._measured
-        if self._steps_counted:
             return self._measured
         return self._line.solve() or self._measured
 
