@@ -449,8 +449,8 @@ def cost_families(state: KVState) -> list[Metric]:
         (
             "engine_step_seconds_per_sequence",
             "What each sequence in the batch adds to vLLM's decode step (the slope of its "
-            "mean step against the tokens decoded a step, the prompt tokens held; against its "
-            "running requests only where vLLM counts no steps; the rest is the fixed share).",
+            "mean step on the tokens decoded a step, prompt tokens held; else on its running "
+            "requests, where steps are counted in prompt-free intervals; the rest is fixed).",
             state.step_seconds_per_sequence,
         ),
         (
