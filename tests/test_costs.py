@@ -41,6 +41,22 @@ BASE = EngineSnapshot(
 )
 
 
+def interval(
+    prev: EngineSnapshot, *, running: int, step: float, steps: int, **added: float
+) -> EngineSnapshot:
+    """The next scrape, 0.5 s after ``prev``: ``steps`` steps of ``step`` s each with
+    ``running`` sequences decoding (what vLLM's inter-token latency histogram adds), and
+    ``added`` to ``prev``'s other counters."""
+    return dataclasses.replace(
+        prev,
+        taken_at=prev.taken_at + 0.5,
+        running=running,
+        inter_token_latency_sum=prev.inter_token_latency_sum + steps * running * step,
+        inter_token_latency_count=prev.inter_token_latency_count + steps * running,
+        **{name: getattr(prev, name) + value for name, value in added.items()},
+    )
+
+
 class Engine:
     """A steady engine whose decode step takes ``base + per_sequence x batch`` seconds and whose
     prefill adds ``per_token`` a prompt token to the step it runs in, scraped every 0.5 s: the
@@ -371,17 +387,16 @@ def test_prefills_no_longer_than_the_mean_step_measure_no_prompt_cost() -> None:
     costs = EngineCosts()
     prev = BASE
     for _ in range(4):
-        running, step, finished = 28, 0.2, 3
-        snap = dataclasses.replace(
+        step, finished = 0.2, 3
+        snap = interval(
             prev,
-            taken_at=prev.taken_at + 0.5,
-            running=running,
-            inter_token_latency_sum=prev.inter_token_latency_sum + 2 * running * step,
-            inter_token_latency_count=prev.inter_token_latency_count + 2 * running,
-            prefill_seconds_sum=prev.prefill_seconds_sum + finished * step,
-            prefill_count=prev.prefill_count + finished,
-            prompt_tokens_sum=prev.prompt_tokens_sum + finished * 3000,
-            prompt_tokens_total=prev.prompt_tokens_total + finished * 3000,
+            running=28,
+            step=step,
+            steps=2,
+            prefill_seconds_sum=finished * step,
+            prefill_count=finished,
+            prompt_tokens_sum=finished * 3000,
+            prompt_tokens_total=finished * 3000,
         )
         costs.update(prev, snap)
         prev = snap
@@ -402,15 +417,8 @@ def test_a_burst_prefilled_in_full_chunks_teaches_no_slope() -> None:
     # prompt tokens completed by interval: prompts of 2,000-4,000 tokens, 2-4 ending a step
     burst = [15_000, 17_500, 16_400, 18_000, 14_800, 16_700]
     for k, prompts in enumerate(burst):
-        assert prev.steps_total is not None
-        snap = dataclasses.replace(
-            prev,
-            taken_at=prev.taken_at + 0.5,
-            running=8 + 4 * k,
-            inter_token_latency_sum=prev.inter_token_latency_sum + 2 * (8 + 4 * k) * step,
-            inter_token_latency_count=prev.inter_token_latency_count + 2 * (8 + 4 * k),
-            steps_total=prev.steps_total + 2,
-            prompt_tokens_total=prev.prompt_tokens_total + prompts,
+        snap = interval(
+            prev, running=8 + 4 * k, step=step, steps=2, steps_total=2, prompt_tokens_total=prompts
         )
         costs.update(prev, snap)
         prev = snap
@@ -442,15 +450,8 @@ def test_a_burst_prefilled_in_full_chunks_teaches_no_decode_line() -> None:
     for k, prompts in enumerate(burst):
         running = 4 + 4 * k
         step = 0.010 + 8192 * 2.5e-5 + 1e-5 * running
-        assert prev.steps_total is not None
-        snap = dataclasses.replace(
-            prev,
-            taken_at=prev.taken_at + 0.5,
-            running=running,
-            inter_token_latency_sum=prev.inter_token_latency_sum + 2 * running * step,
-            inter_token_latency_count=prev.inter_token_latency_count + 2 * running,
-            steps_total=prev.steps_total + 2,
-            prompt_tokens_total=prev.prompt_tokens_total + prompts,
+        snap = interval(
+            prev, running=running, step=step, steps=2, steps_total=2, prompt_tokens_total=prompts
         )
         costs.update(prev, snap)
         blind.update(
@@ -473,15 +474,7 @@ def test_decode_steps_alone_teach_the_line_where_vllm_counts_its_steps() -> None
     for running in (5, 4, 3, 2, 1) * 3:
         step = 0.010 + 0.001 * running
         steps = round(0.5 / step)
-        assert prev.steps_total is not None
-        snap = dataclasses.replace(
-            prev,
-            taken_at=prev.taken_at + 0.5,
-            running=running,
-            inter_token_latency_sum=prev.inter_token_latency_sum + steps * running * step,
-            inter_token_latency_count=prev.inter_token_latency_count + steps * running,
-            steps_total=prev.steps_total + steps,
-        )
+        snap = interval(prev, running=running, step=step, steps=steps, steps_total=steps)
         costs.update(prev, snap)
         prev = snap
     line = costs.line()
