@@ -1,5 +1,6 @@
-"""The sidecar in front of the real vLLM: the burst that preempts when sent direct does not
-through the sidecar; refusals carry both retry headers; the openai client retries to completion.
+"""The sidecar in front of the real vLLM: the burst that preempts when sent direct completes
+through the sidecar, with no preemption in worst-case mode; refusals carry both retry headers;
+the openai client retries to completion.
 
 The burst is sized from the server's own figures (:class:`harness.vllm_info.VllmInfo`): requests
 of 271 prompt + 700 output tokens (less where the context is shorter), enough of them to ask for
@@ -102,29 +103,48 @@ def test_direct_burst_preempts(vllm: VllmInfo, shape: Shape, prompts: list[str])
     assert idle_preemptions(vllm.url) > before
 
 
-@pytest.fixture
-def queue_sidecar(vllm: VllmInfo) -> Iterator[SidecarProcess]:
-    with SidecarProcess(vllm.url, "--policy", "queue", "--max-queue-wait", "600") as sc:
+#: ``--reservation`` for the bursts below. ``worst-case`` promises that vLLM preempts nothing.
+#: The default (adaptive) does not promise it for these ``ignore_eos`` answers: where their
+#: recompute is cheap it also admits one where the requests in flight fit by their
+#: trajectories' means, and vLLM may then preempt the last of a wave near its end (README,
+#: How admission decides). As I read it (its decisions were not logged), that is what happened
+#: in one fresh-clone CI run of b9c3252: vLLM preempted 4 times in the openai client's burst,
+#: and the sidecar's access log showed 7 retries admitted while 8 of the first wave still ran.
+MODES = ("adaptive", "worst-case")
+
+
+def preemption_free(mode: str) -> bool:
+    """Whether ``--reservation mode`` promises that vLLM preempts nothing."""
+    return mode == "worst-case"
+
+
+@pytest.fixture(params=MODES)
+def queue_sidecar(vllm: VllmInfo, request: pytest.FixtureRequest) -> Iterator[SidecarProcess]:
+    args = ("--policy", "queue", "--max-queue-wait", "600", "--reservation", request.param)
+    with SidecarProcess(vllm.url, *args) as sc:
         yield sc
         assert_ledger_empty(sc)
 
 
-def test_queue_policy_burst_has_no_preemptions(
+def test_queue_policy_burst_completes(
     vllm: VllmInfo, shape: Shape, prompts: list[str], queue_sidecar: SidecarProcess
 ) -> None:
     """The same burst through ``--policy queue`` on the real CPU model: every answer completes
-    in full, vLLM preempts nothing, and the ledger is empty after (the fixture). That the
-    prediction follows vLLM's usage within a block per request at every step, and that the
-    burst fills the budget and queues, is asserted on the simulated engine, stepped by the test
-    (``test_admission_sim.py::test_queue_policy_burst_has_no_preemptions``): sampling this
-    free-running engine's scrapes cannot promise a comparable sample on a busy machine."""
+    in full, it queues, the ledger is empty after (the fixture), and in worst-case mode vLLM
+    preempts nothing. That the prediction follows vLLM's usage within a block per request at
+    every step, and that the burst fills the budget and queues, is asserted on the simulated
+    engine, stepped by the test (``test_admission_sim.py::test_queue_policy_burst_has_no_
+    preemptions``): sampling this free-running engine's scrapes cannot promise a comparable
+    sample on a busy machine."""
     before = idle_preemptions(vllm.url)
     results = asyncio.run(
         burst(queue_sidecar.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
     )
     assert [r.status for r in results] == [200] * shape.requests, [r.error for r in results]
     assert all(r.completion_tokens == shape.max_tokens for r in results)
-    assert idle_preemptions(vllm.url) == before
+    after = idle_preemptions(vllm.url)
+    if preemption_free(queue_sidecar.args[-1]):
+        assert after == before
     # it was over the budget: requests queued (a counter, not a sample)
     queued = metric_value(
         queue_sidecar.metrics(), "kv_sidecar_requests_total", decision="admit", reason="queued"
@@ -209,10 +229,12 @@ def test_reject_policy_refuses_with_retry_headers(
     assert idle_preemptions(vllm.url) == before
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_openai_client_retries_to_completion(
-    vllm: VllmInfo, shape: Shape, prompts: list[str]
+    vllm: VllmInfo, shape: Shape, prompts: list[str], mode: str
 ) -> None:
-    """The official client honours retry-after-ms: every request of the over-budget burst ends."""
+    """The official client honours retry-after-ms: every request of the over-budget burst ends
+    in full, some were refused first, and in worst-case mode vLLM preempts nothing."""
     before = idle_preemptions(vllm.url)
 
     async def run(url: str) -> list[int]:
@@ -235,7 +257,7 @@ def test_openai_client_retries_to_completion(
         finally:
             await client.close()
 
-    with SidecarProcess(vllm.url, "--policy", "reject") as sc:
+    with SidecarProcess(vllm.url, "--policy", "reject", "--reservation", mode) as sc:
         tokens = asyncio.run(run(sc.url))
         refused = (
             metric_value(
@@ -246,4 +268,6 @@ def test_openai_client_retries_to_completion(
         assert_ledger_empty(sc)
     assert tokens == [shape.retry_max_tokens] * shape.requests
     assert refused > 0  # the burst really was over budget and was retried
-    assert idle_preemptions(vllm.url) == before
+    after = idle_preemptions(vllm.url)
+    if preemption_free(mode):
+        assert after == before
