@@ -56,7 +56,7 @@ LONG_QUEUE_WAIT = 600.0
 #: --scheduling-policy priority, vLLM alone with each request's priority in its body
 #: (``vllm-priority``) and the classes forwarded to it (``sidecar-classes-vllm-priority``;
 #: paced as well: ``sidecar-classes-paced-vllm-priority``); and the classes paced at 0.02 s
-#: (``sidecar-classes-paced-tight``)
+#: (``sidecar-classes-paced-tight``), 0.01 s (``-paced-10ms``) and 0.005 s (``-paced-5ms``)
 PRIORITY_CONFIGS = [
     "sidecar-alone",
     "direct",
@@ -68,6 +68,8 @@ PRIORITY_CONFIGS = [
     "sidecar-classes-vllm-priority",
     "sidecar-classes-paced-vllm-priority",
     "sidecar-classes-paced-tight",
+    "sidecar-classes-paced-10ms",
+    "sidecar-classes-paced-5ms",
 ]
 #: each priority configuration's sidecar flags besides the defaults
 PRIORITY_SIDECARS: dict[str, list[str]] = {
@@ -78,6 +80,8 @@ PRIORITY_SIDECARS: dict[str, list[str]] = {
     "sidecar-classes-unpaced": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0"],
     "sidecar-classes-vllm-priority": ["--priority-rules", PRIORITY_RULES, "--forward-priority"],
     "sidecar-classes-paced-tight": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0.02"],
+    "sidecar-classes-paced-10ms": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0.01"],
+    "sidecar-classes-paced-5ms": ["--priority-rules", PRIORITY_RULES, "--priority-pace", "0.005"],
     "sidecar-classes-paced-vllm-priority": [
         "--priority-rules",
         PRIORITY_RULES,
