@@ -284,12 +284,21 @@ class StepEngine:
         self.interval = 0
         self.finishing: list[tuple[int, float, int]] = []  # (interval, prefill s, prompt)
 
-    def run(self, *, decoders: int, prompts: tuple[int, ...]) -> EngineSnapshot:
-        elapsed, steps, waited, tokens = 0.0, 0, 0.0, 0
+    def run(self, *, decoders: int, prompts: tuple[int, ...], stall: float = 0.0) -> EngineSnapshot:
+        """One interval; ``stall``: seconds a prompt token of it slows the host by, spread over
+        the interval's steps (a host that takes the prompts in while the engine steps, which
+        their prefill does not cost)."""
         queue = list(prompts)  # one prompt a step, in the interval's first steps
-        while elapsed < 0.5 or queue:
+        taken: list[tuple[int, float]] = []  # (prompt tokens, seconds) a step
+        while sum(t for _, t in taken) < 0.5 or queue:
             prompt = queue.pop(0) if queue else 0
-            step = self.base + self.per_sequence * decoders + self.per_token * prompt
+            taken.append(
+                (prompt, self.base + self.per_sequence * decoders + self.per_token * prompt)
+            )
+        slowed = stall * sum(prompts) / len(taken)
+        elapsed, steps, waited, tokens = 0.0, 0, 0.0, 0
+        for prompt, seconds in taken:
+            step = seconds + slowed
             elapsed, steps = elapsed + step, steps + 1
             waited, tokens = waited + step * decoders, tokens + decoders
             if prompt:
@@ -352,6 +361,31 @@ def test_a_prompt_tokens_cost_is_read_off_the_steps_beside_other_prompts() -> No
     # a recompute of 2,500 tokens: 0.125 s, 9.4 plain steps; read as 2.2 without the steps
     assert costs.recompute_steps(2500) == pytest.approx(2500 * 5e-5 / plain, rel=0.02)
     assert blind.recompute_steps(2500) < 0.5 * costs.recompute_steps(2500)
+
+
+def test_a_slope_above_what_the_prefills_took_is_bounded_by_them() -> None:
+    """The mixed workload on a host that each prompt token slows by 150 us, spread over the
+    steps of the interval it arrives in (on two cores, vLLM's API server and the sidecar take
+    the prompts in while the engine steps): the steps' fit charges the slowdown to the prompt
+    tokens, where the steps the prompts were prefilled in, as the finished requests report
+    them, took less per token than that. A prompt token costs at most that: the fit's slope is
+    bounded by it."""
+    engine = StepEngine(base=0.010, per_sequence=6e-5, per_token=5e-5)
+    costs = EngineCosts()
+    prev = engine.snap
+    for decoders, prompts in MIXED * 8:
+        snap = engine.run(decoders=decoders, prompts=prompts, stall=1.5e-4)
+        costs.update(prev, snap)
+        prev = snap
+    slope = costs._steps.z_slope()
+    bound = costs.prefill_bound()
+    assert slope is not None and bound is not None
+    # the premise: the fit reads the slowdown as the prompts' cost, 150 us a token on top of 50
+    assert slope == pytest.approx(2e-4, rel=0.02)
+    assert costs.prefill_seconds_per_token() == bound
+    # what the prefills' steps took a token: above the cost (their steps were slowed too, and
+    # decoded the batch), well below the slope
+    assert 5e-5 < bound < 0.7 * slope
 
 
 @pytest.mark.parametrize(

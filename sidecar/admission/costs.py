@@ -356,10 +356,28 @@ class EngineCosts:
         in that run). Not measured until then."""
         slope = self._steps.z_slope()
         if slope is not None and slope > 0:
-            return slope
+            bound = self.prefill_bound()
+            return slope if bound is None else min(slope, bound)
         if self._prefill_tokens <= 0 or self._prefill_seconds <= _NOTHING * self._gross_seconds:
             return None
         return self._prefill_seconds / self._prefill_tokens
+
+    def prefill_bound(self) -> float | None:
+        """The most a computed prompt token can add to a step, by the finished requests' own
+        reports (None: none yet): their prefills' whole seconds, a shared step counted once,
+        over the prompt tokens they computed. A step that computes z prompt tokens lasts at
+        least z times what one adds, so the steps its prompts were prefilled in can be no
+        shorter. The steps' fit reads more where its intervals slow for what their prompts do
+        not cost: on the CPU engine on two cores, a burst's arrival (vLLM's API server and the
+        sidecar taking its prompts in) slowed every step of the intervals it came in, the fit
+        charged it to their prompt tokens at 2.2-2.3e-4 s a token, where the finished prefills'
+        seconds over their tokens, decayed as here, read 4.1-6.8e-5 s (as computed from the
+        logged counters) and one request at a time on an idle engine 1.8e-5 s (BENCHMARKS.md,
+        vllm bench serve's burst rerun after the cost changes of 7 Dec): a recompute was priced
+        some ten times its cost."""
+        if self._prefill_tokens <= 0:
+            return None
+        return self._gross_seconds / self._prefill_tokens
 
     def prompt_seconds_per_token(self) -> float | None:
         """A prompt's whole prefill time per prompt token (None: not measured yet): the steps
