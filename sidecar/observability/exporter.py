@@ -441,9 +441,9 @@ def cost_families(state: KVState) -> list[Metric]:
         (
             "engine_step_seconds_per_token",
             "What each prompt token computed adds to vLLM's step (the mean step's slope on the "
-            "prompt tokens computed a step, from vllm:iteration_tokens_total; until that is "
-            "solved, finished requests' prefill time less a decode step, over their prompt "
-            "tokens less prefix-cache hits).",
+            "prompt tokens computed a step, from vllm:iteration_tokens_total, at most the "
+            "finished prefills' whole time a token; until solved, finished requests' prefill "
+            "time less a decode step, over their prompt tokens less prefix-cache hits).",
             state.step_seconds_per_token,
         ),
         (
