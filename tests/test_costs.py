@@ -290,11 +290,12 @@ class StepEngine:
         their prefill does not cost)."""
         queue = list(prompts)  # one prompt a step, in the interval's first steps
         taken: list[tuple[int, float]] = []  # (prompt tokens, seconds) a step
-        while sum(t for _, t in taken) < 0.5 or queue:
+        unslowed = 0.0
+        while unslowed < 0.5 or queue:
             prompt = queue.pop(0) if queue else 0
-            taken.append(
-                (prompt, self.base + self.per_sequence * decoders + self.per_token * prompt)
-            )
+            seconds = self.base + self.per_sequence * decoders + self.per_token * prompt
+            taken.append((prompt, seconds))
+            unslowed += seconds
         slowed = stall * sum(prompts) / len(taken)
         elapsed, steps, waited, tokens = 0.0, 0, 0.0, 0
         for prompt, seconds in taken:

@@ -119,15 +119,19 @@ def preemption_free(mode: str) -> bool:
 
 
 @pytest.fixture(params=MODES)
-def queue_sidecar(vllm: VllmInfo, request: pytest.FixtureRequest) -> Iterator[SidecarProcess]:
-    args = ("--policy", "queue", "--max-queue-wait", "600", "--reservation", request.param)
+def queue_sidecar(
+    vllm: VllmInfo, request: pytest.FixtureRequest
+) -> Iterator[tuple[SidecarProcess, str]]:
+    """A ``--policy queue`` sidecar in each mode, and the mode."""
+    mode = request.param
+    args = ("--policy", "queue", "--max-queue-wait", "600", "--reservation", mode)
     with SidecarProcess(vllm.url, *args) as sc:
-        yield sc
+        yield sc, mode
         assert_ledger_empty(sc)
 
 
 def test_queue_policy_burst_completes(
-    vllm: VllmInfo, shape: Shape, prompts: list[str], queue_sidecar: SidecarProcess
+    vllm: VllmInfo, shape: Shape, prompts: list[str], queue_sidecar: tuple[SidecarProcess, str]
 ) -> None:
     """The same burst through ``--policy queue`` on the real CPU model: every answer completes
     in full, it queues, the ledger is empty after (the fixture), and in worst-case mode vLLM
@@ -136,18 +140,19 @@ def test_queue_policy_burst_completes(
     engine, stepped by the test (``test_admission_sim.py::test_queue_policy_burst_has_no_
     preemptions``): sampling this free-running engine's scrapes cannot promise a comparable
     sample on a busy machine."""
+    sidecar, mode = queue_sidecar
     before = idle_preemptions(vllm.url)
     results = asyncio.run(
-        burst(queue_sidecar.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
+        burst(sidecar.url, prompts, max_tokens=shape.max_tokens, model=vllm.served_name)
     )
     assert [r.status for r in results] == [200] * shape.requests, [r.error for r in results]
     assert all(r.completion_tokens == shape.max_tokens for r in results)
-    after = idle_preemptions(vllm.url)
-    if preemption_free(queue_sidecar.args[-1]):
+    after = idle_preemptions(vllm.url)  # read in either mode: it waits until vLLM is idle
+    if preemption_free(mode):
         assert after == before
     # it was over the budget: requests queued (a counter, not a sample)
     queued = metric_value(
-        queue_sidecar.metrics(), "kv_sidecar_requests_total", decision="admit", reason="queued"
+        sidecar.metrics(), "kv_sidecar_requests_total", decision="admit", reason="queued"
     )
     assert (queued or 0) > 0, queued
 
@@ -268,6 +273,6 @@ def test_openai_client_retries_to_completion(
         assert_ledger_empty(sc)
     assert tokens == [shape.retry_max_tokens] * shape.requests
     assert refused > 0  # the burst really was over budget and was retried
-    after = idle_preemptions(vllm.url)
+    after = idle_preemptions(vllm.url)  # read in either mode: it waits until vLLM is idle
     if preemption_free(mode):
         assert after == before
