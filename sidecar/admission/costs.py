@@ -349,11 +349,11 @@ class EngineCosts:
         where vLLM counts its steps and those varied; else the finished requests' prefills less
         a decode step each, over their computed tokens, where that is not nothing. The slope is
         at most :meth:`prefill_bound`. Each prefill is set against the mean step of the interval
-        it finished in, which other prompts' prefills lengthen: on the simulated 8B's thrash burst, 3 s in, the burst's prompts had
-        made that step 0.2 s, every finished prefill read less than it, and a prompt token
-        read as free; a recompute then cost nothing, and 21 requests were let in as vLLM admits
-        them, 49 in flight where the pool holds some 30 at their ends (vLLM preempted 18 times
-        in that run). Not measured until then."""
+        it finished in, which other prompts' prefills lengthen: on the simulated 8B's thrash
+        burst, 3 s in, the burst's prompts had made that step 0.2 s, every finished prefill read
+        less than it, and a prompt token read as free; a recompute then cost nothing, and 21
+        requests were let in as vLLM admits them, 49 in flight where the pool holds some 30 at
+        their ends (vLLM preempted 18 times in that run). Not measured until then."""
         slope = self._steps.z_slope()
         if slope is not None and slope > 0:
             bound = self.prefill_bound()
