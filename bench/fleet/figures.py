@@ -79,7 +79,7 @@ def request_peak_blocks(run: dict[str, Any]) -> int:
     """A burst request's KV peak in blocks: its prompt and max_tokens (every answer runs to it,
     ``ignore_eos``), rounded up to whole blocks."""
     size: list[int] = run.get("size", [24, 271, 700])
-    return math.ceil((size[1] + size[2]) / BLOCK_SIZE)
+    return math.ceil((size[1] + size[2]) / run.get("block_size", BLOCK_SIZE))
 
 
 def room(sample: dict[str, Any], replica: str, peak: int) -> bool | None:

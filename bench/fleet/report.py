@@ -10,7 +10,6 @@ from typing import Any
 from bench.fleet.figures import each, paired_ratio
 from bench.fleet.run import (
     BLOCK_SIZE,
-    CAPACITY_BLOCKS,
     CONFIGS,
     MAX_ATTEMPTS,
     MAX_MODEL_LEN,
@@ -40,7 +39,7 @@ def charts(raw: dict[str, Any], figs: dict[str, dict[str, Any]], suffix: str) ->
 
     configs = [c for c in CONFIGS if c in figs]
     runs = {c: sorted(raw["runs"][c], key=lambda r: r["repetition"]) for c in configs}
-    timeline = _timeline(plt, configs, runs, suffix)
+    timeline = _timeline(plt, configs, runs, suffix, _pool(raw))
     summary = _summary(plt, configs, runs, figs, suffix)
     return {
         "timeline": str(timeline.relative_to(ROOT)),
@@ -48,12 +47,27 @@ def charts(raw: dict[str, Any], figs: dict[str, dict[str, Any]], suffix: str) ->
     }
 
 
+def _pool(raw: dict[str, Any]) -> tuple[int, int, int]:
+    """The replicas' pool: blocks (vLLM's null block included), block size, max-model-len (the
+    CPU build's where a raw file from before ``--engine`` does not say)."""
+    return (
+        int(raw.get("num_gpu_blocks", NUM_GPU_BLOCKS)),
+        int(raw.get("block_size", BLOCK_SIZE)),
+        int(raw.get("max_model_len", MAX_MODEL_LEN)),
+    )
+
+
 def _timeline(
-    plt: Any, configs: list[str], runs: dict[str, list[dict[str, Any]]], suffix: str
+    plt: Any,
+    configs: list[str],
+    runs: dict[str, list[dict[str, Any]]],
+    suffix: str,
+    pool: tuple[int, int, int],
 ) -> Path:
     """KV blocks, vLLM's queue (and the sidecar's) over time on each replica: the first
     repetition of each configuration."""
-    # timeline: the first repetition of each configuration
+    blocks, block_size, _ = pool
+    capacity = blocks - 1  # vLLM keeps one null block
     fig, axes = plt.subplots(
         len(configs), 1, figsize=(12, 3.6 * len(configs)), layout="constrained", squeeze=False
     )
@@ -62,7 +76,7 @@ def _timeline(
         for name, style in (("A", "-"), ("B", "--")):
             rows = [s for s in run["samples"] if name in s]
             t = [s["t"] for s in rows]
-            used = [s[name]["kv_cache_usage_perc"] * CAPACITY_BLOCKS for s in rows]
+            used = [s[name]["kv_cache_usage_perc"] * capacity for s in rows]
             waiting = [s[name]["num_requests_waiting"] for s in rows]
             queued = [(s[name].get("sidecar") or {}).get("queue_depth") or 0 for s in rows]
             ax.plot(t, used, style, color="tab:blue", label=f"{name}: KV blocks used (vLLM)")
@@ -98,7 +112,7 @@ def _timeline(
                     )
                     marked = True
                 last = p
-        ax.axhline(CAPACITY_BLOCKS, color="black", linewidth=0.8, label="pool (31 blocks)")
+        ax.axhline(capacity, color="black", linewidth=0.8, label=f"pool ({capacity} blocks)")
         pre = run["preemptions"]
         ax.set_title(
             f"{config} (repetition 1): preemptions A {pre['A']:.0f}, B {pre['B']:.0f}; "
@@ -112,7 +126,7 @@ def _timeline(
     fig.suptitle(
         f"Two vLLM replicas behind nginx or HAProxy (weights A {WEIGHTS['A']} : B "
         f"{WEIGHTS['B']}), "
-        f"{NUM_GPU_BLOCKS} blocks of {BLOCK_SIZE} tokens each"
+        f"{blocks} blocks of {block_size} tokens each"
     )
     timeline = RESULTS / f"fleet-timeline{suffix}.png"
     fig.savefig(timeline, dpi=85)
@@ -196,10 +210,13 @@ def _summary(
 
 def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
     count, prompt_tokens, max_tokens = raw["size"]
-    peak = math.ceil((prompt_tokens + max_tokens) / BLOCK_SIZE)
-    fit = int(CAPACITY_BLOCKS // peak)
+    blocks, block_size, max_model_len = _pool(raw)
+    peak = math.ceil((prompt_tokens + max_tokens) / block_size)
+    fit = int((blocks - 1) // peak)
     reps = sorted({f["repetitions"] for f in figs.values()})
     command = "python -m bench.fleet" + (" --quick" if raw["quick"] else "")
+    if raw.get("engine", "cpu") != "cpu":
+        command += f" --engine {raw['engine']}"
     if raw["repeat"] != (1 if raw["quick"] else 3):
         command += f" --repeat {raw['repeat']}"
     rate = raw.get("poisson_rate")
@@ -215,9 +232,9 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
         "",
         f"Command: `{command}` ({raw['minutes']:.0f} minutes; each configuration ran "
         f"{' or '.join(str(r) for r in reps)} times, interleaved in a rotating order). "
-        f"vLLM {raw['vllm']}, two servers, each `--num-gpu-blocks-override {NUM_GPU_BLOCKS}` "
-        f"(block size {BLOCK_SIZE}, {CAPACITY_BLOCKS} usable blocks), `--max-model-len "
-        f"{MAX_MODEL_LEN}`. nginx {raw.get('nginx_version', '?')}, one worker, upstream "
+        f"vLLM {raw['vllm']}, two servers, each `--num-gpu-blocks-override {blocks}` "
+        f"(block size {block_size}, {blocks - 1} usable blocks), `--max-model-len "
+        f"{max_model_len}`. nginx {raw.get('nginx_version', '?')}, one worker, upstream "
         f"`weight={WEIGHTS['A']}` (A) and `weight={WEIGHTS['B']}` (B), `max_fails=0`, keepalive, "
         "`proxy_buffering off`, `proxy_next_upstream error timeout http_429 http_503 "
         f"non_idempotent; proxy_next_upstream_tries {NGINX_TRIES}` (the same file for every "

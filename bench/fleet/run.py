@@ -9,8 +9,9 @@ import json
 import random
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,10 +28,12 @@ from bench.common import (
 )
 from bench.fleet.haproxy import HAProxy
 from harness.bench_util import progress
-from harness.exposition import metric_value
+from harness.exposition import cache_config_labels, metric_value
 from harness.local import free_port
-from harness.vllm_cpu import VllmServer
-from harness.workload import SidecarProcess, vllm_preemptions
+from harness.sim_server import SimServer, model_config
+from harness.sim_vllm import model_dir
+from harness.vllm_cpu import VllmServer, ensure_model
+from harness.workload import SidecarProcess, make_prompts, vllm_preemptions
 
 NUM_GPU_BLOCKS = 32
 BLOCK_SIZE = 128  # the CPU backend's (checked against vllm:cache_config_info at start)
@@ -64,6 +67,94 @@ STATE_FIELDS = (
 )
 FULL_SIZE = (24, 271, 700)  # requests, prompt tokens, max_tokens (ignore_eos)
 QUICK_SIZE = (10, 271, 400)
+
+
+class Replica(Protocol):
+    """A running vLLM (the CPU build's or the simulated GPU's) as the fleet uses it."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    def start(self) -> Any: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class FleetEngine:
+    """What each replica runs on: the CPU build (both replicas share this machine's cores, so
+    work one replica sheds is work the other's threads take from it), or a simulated GPU
+    (``harness.sim_vllm``: vLLM's own scheduler on the simulated clock of a GPU of its own, so
+    a replica with room runs what the other sheds at no cost to it). ``time_scale``: wall
+    seconds a simulated second lasts (the sidecars' time-valued flags and ``--spill-wait``
+    stretched by it, so that they mean as many simulated seconds as they name)."""
+
+    name: str
+    block_size: int
+    num_gpu_blocks: int
+    max_model_len: int
+    full_size: tuple[int, int, int]  # requests, prompt tokens, max_tokens (ignore_eos)
+    quick_size: tuple[int, int, int]
+    time_scale: float = 1.0
+    model: str = ""  # the simulated engine's model (harness/models/NAME.json)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.num_gpu_blocks - 1  # vLLM keeps one null block
+
+    @property
+    def simulated(self) -> bool:
+        return bool(self.model)
+
+    def server(self) -> Replica:
+        if not self.simulated:
+            return VllmServer(num_gpu_blocks=self.num_gpu_blocks, max_model_len=self.max_model_len)
+        # as bench.simgpu's engines run: its flags, its served name (what the client names)
+        return SimServer(
+            model=self.model,
+            max_model_len=self.max_model_len,
+            extra_args=[
+                "--max-num-seqs",
+                "256",
+                "--gpu-memory-utilization",
+                "0.9",
+                "--served-model-name",
+                "tiny",
+                "--sim-time-scale",
+                f"{self.time_scale:g}",
+                "--num-gpu-blocks-override",
+                str(self.num_gpu_blocks),
+            ],
+        )
+
+    def prompts(self, count: int, tokens: int, seed: int) -> list[str]:
+        """``count`` distinct prompts of exactly ``tokens`` tokens, by the tokenizer the
+        replicas serve with (the CPU build's generated model, or the simulated engine's)."""
+        if not self.simulated:
+            return make_prompts(ensure_model(), count, tokens, seed=seed)
+        return make_prompts(model_dir(model_config(self.model)), count, tokens, seed=seed)
+
+
+#: the simulated 8B's fleet: 48 requests of 2,000 prompt tokens and 600 output tokens, 163 blocks
+#: of 16 each at their end, on pools of 3,000 blocks (18 at their peak): replica A's 36 (3:1)
+#: overfill it by half, B's 12 take two thirds of it
+SIM_POOL_BLOCKS = 3000 + 1
+ENGINES: dict[str, FleetEngine] = {
+    "cpu": FleetEngine("cpu", BLOCK_SIZE, NUM_GPU_BLOCKS, MAX_MODEL_LEN, FULL_SIZE, QUICK_SIZE),
+    "sim-8b": FleetEngine(
+        "sim-8b",
+        16,
+        SIM_POOL_BLOCKS,
+        4096,
+        (48, 2000, 600),
+        (16, 2000, 300),
+        time_scale=4.0,
+        model="llama-3.1-8b-instruct",
+    ),
+}
 
 NGINX_CONF = """\
 @USER@worker_processes 1;
@@ -328,23 +419,35 @@ def sidecar_counters(sidecar: SidecarProcess) -> dict[str, Any]:
 # --- one run ------------------------------------------------------------------------------------
 
 
-def sidecar_flags(config: str) -> list[str]:
+#: the sidecar's time-valued defaults that a simulated engine's time scale stretches
+SCALED_DEFAULTS = {"--scrape-interval": 0.5, "--metrics-stale-after": 5.0}
+
+
+def sidecar_flags(config: str, time_scale: float = 1.0) -> list[str]:
     """The flags of a ``sidecar-*`` configuration's sidecars (``sidecar-spill-S``: ``--policy
     spill --spill-wait S``; behind HAProxy, which retries a 503 but not a 429, ``--spill-status
-    503`` too)."""
+    503`` too); on a simulated engine run ``time_scale`` times slower than its GPU, the scrape,
+    the staleness and the spill wait stretched as much (S simulated seconds)."""
     policy = config.removeprefix("sidecar-").removesuffix("-haproxy")
+    scaled = (
+        []
+        if time_scale == 1
+        else [x for f, v in SCALED_DEFAULTS.items() for x in (f, f"{v * time_scale:g}")]
+    )
     if policy.startswith("spill-"):
-        flags = [*queue_flags("spill"), "--spill-wait", policy.removeprefix("spill-")]
+        wait = float(policy.removeprefix("spill-")) * time_scale
+        flags = [*queue_flags("spill"), *scaled, "--spill-wait", f"{wait:g}"]
         return flags + (["--spill-status", "503"] if config in HAPROXY_CONFIGS else [])
-    return queue_flags(policy)
+    return [*queue_flags(policy), *scaled]
 
 
 def run_config(
     config: str,
-    vllms: dict[str, VllmServer],
+    vllms: dict[str, Replica],
     prompts: list[str],
     max_tokens: int,
     rate: float | None = None,
+    engine: FleetEngine = ENGINES["cpu"],
 ) -> dict[str, Any]:
     urls = {name: v.url for name, v in vllms.items()}
     wait_idle(*urls.values(), timeout=180.0)
@@ -364,7 +467,7 @@ def run_config(
     try:
         if config.startswith("sidecar-"):
             for name, url in urls.items():
-                flags = sidecar_flags(config)
+                flags = sidecar_flags(config, engine.time_scale)
                 if config in HAPROXY_CONFIGS:
                     agent_ports[name] = free_port()
                     flags += ["--agent-port", str(agent_ports[name])]
@@ -430,17 +533,23 @@ def run_config(
     }
 
 
-def start_vllms() -> dict[str, VllmServer]:
+def start_vllms(engine: FleetEngine = ENGINES["cpu"]) -> dict[str, Replica]:
     """Both servers, started one after the other (two at once on two cores is slower to fail)."""
-    vllms: dict[str, VllmServer] = {}
+    vllms: dict[str, Replica] = {}
     try:
         for name in WEIGHTS:
-            progress(f"fleet: starting vLLM replica {name} (a minute or two)")
-            vllms[name] = VllmServer(
-                num_gpu_blocks=NUM_GPU_BLOCKS, max_model_len=MAX_MODEL_LEN
-            ).start()
+            progress(f"fleet: starting vLLM replica {name} on {engine.name} (a minute or two)")
+            server = engine.server()
+            vllms[name] = server
+            server.start()
     except BaseException:
         for v in vllms.values():
             v.stop()
         raise
     return vllms
+
+
+def block_size(url: str) -> int | None:
+    """The block size a running vLLM reports (``vllm:cache_config_info``), None if it does not."""
+    labels = cache_config_labels(httpx.get(url + "/metrics", timeout=10).text)
+    return int(labels["block_size"]) if "block_size" in labels else None
