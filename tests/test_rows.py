@@ -175,19 +175,27 @@ def test_retry_columns_give_the_laid_out_slot(
 ) -> None:
     """Retry-After's columns from the kept rows: the same slot as the laid-out trajectories
     (without shared prefixes, where the two count alike; with them the kept rows count the
-    queued requests' shared blocks only among themselves, an upper bound)."""
+    queued requests' shared blocks only among themselves, an upper bound), with the requests
+    admitted but not started yet laid out as starting now: ``started``, a twin ledger where
+    vLLM has started them (fails where the kept rows lay them out as waiting, to start only
+    when the refused request would)."""
     from sidecar.kv.ledger import likely_end
     from sidecar.kv.trajectory import steps_until_fits
 
     blocks = UniformBlocks(size)
     ledger = Ledger(blocks, share_prefixes=False)
+    started = Ledger(blocks, share_prefixes=False)
     for spec in specs:
         res = _reserve(ledger, spec, size)
+        twin = _reserve(started, spec, size)
+        started.start(twin)
         if spec["state"] != "queued":
             ledger.start(res)
             ledger.advance(res, spec["generated"])
+            started.advance(twin, spec["generated"])
         if spec["state"] == "released":
             ledger.release(res)
+            started.release(twin)
     queued = [_reserve(ledger, c, size, candidate=True) for c in ahead]
     cand = (
         _reserve(
@@ -201,7 +209,7 @@ def test_retry_columns_give_the_laid_out_slot(
     rule = (lambda klass: likely) if likely is not None else None
     ends = likely_end(rule) if rule is not None else None
     own = ledger.trajectories([cand], in_flight=False, likely_end=ends)
-    laid_out = ledger.trajectories(queued, likely_end=ends)
+    laid_out = started.trajectories(queued, likely_end=ends)
     kept = ledger.retry_columns(queued, rule)
 
     def rows(columns) -> list[tuple[int, ...]]:
@@ -251,7 +259,8 @@ def test_starts_passed_over_by_their_demand_at_the_start_could_not_fit(
 def test_retry_columns_take_the_likely_end() -> None:
     """A started answer of its class's likely length 40 that has 50 tokens is taken to end at
     twice that (100), within its reserved 180; one of another class with no likely length runs
-    to its reserved end; a queued one is never taken as gone."""
+    to its reserved end; one admitted but not started by vLLM yet is laid out as starting now,
+    to end at its class's likely length (40), never as waiting for the refused request's start."""
     blocks = UniformBlocks(16)
     ledger = Ledger(blocks, share_prefixes=False)
     p = project_counts((100,), requested_max_tokens=200, n=1, max_model_len=4096, blocks=blocks)
@@ -261,14 +270,15 @@ def test_retry_columns_take_the_likely_end() -> None:
     unknown = ledger.reserve(p, streamed=True, ends=[180], klass="new")
     ledger.start(unknown)
     ledger.advance(unknown, 10)
-    ledger.reserve(p, streamed=True, ends=[180], klass="chat")  # queued
+    ledger.reserve(p, streamed=True, ends=[180], klass="chat")  # admitted, not started yet
     kept = ledger.retry_columns([], {"chat": 40}.get)
     held, left, *_, prompt, end, _, _ = kept.arrays()
     assert sorted(zip(held.tolist(), left.tolist(), kept.gone.tolist(), strict=True)) == [
+        (100, 180, 40),
         (110, 170, 170),
         (150, 130, 50),
     ]
-    assert (prompt.tolist(), end.tolist()) == ([100], [180])
+    assert (prompt.tolist(), end.tolist()) == ([], [])
 
 
 operation = st.one_of(

@@ -127,10 +127,12 @@ def test_bookings_do_not_lengthen_the_wait_of_a_request_queued_now() -> None:
     assert ac.retry_after(Ask(BIG, streamed=True, key=4)) > 2 * 50 * STEP
 
 
-def test_cold_queues_and_an_unbounded_wait_is_refused() -> None:
+def test_cold_queues_and_a_wait_behind_requests_not_started_is_bounded() -> None:
     """No step time yet (vLLM has generated nothing): the request queues, as under --policy
-    queue. Once it is known, a wait that only requests not yet started stand in (held at their
-    worst, never freed) is taken as long."""
+    queue. Once it is known, the seven requests admitted a moment ago and not started by vLLM
+    yet are laid out as starting now: the wait is their whole run, 924 steps, not unbounded (as
+    it was when they were laid out to start only with the refused request), and its Retry-After
+    is that slot."""
     clock = Clock()
     ac = AdmissionController(
         Ledger(BLOCKS, clock=clock),
@@ -147,20 +149,39 @@ def test_cold_queues_and_an_unbounded_wait_is_refused() -> None:
     assert ac.try_admit(Ask(BIG, streamed=True)) is None  # queued
 
     ac.pools[0].view.seconds_per_step = STEP  # as a scrape would teach it
-    [unbounded] = ac.expected_waits(Ask(BIG, streamed=True))
-    assert unbounded.steps is None and unbounded.seconds == float("inf")
+    [bounded] = ac.expected_waits(Ask(BIG, streamed=True))
+    assert bounded.steps == 924
     refused = ac.try_admit(Ask(BIG, streamed=True, key=5))
     assert refused is not None and refused.reason is Reason.SPILLED
-    assert "cannot be bounded" in refused.message
-    assert refused.retry_after is not None and refused.retry_after >= 1.0
-    # its Retry-After is the release rate's guess, not a slot, and still its fingerprint is
-    # remembered (a booking with no trajectory): when it comes back, refused again, its booking
-    # is replaced, not added to
+    assert f"is {924 * STEP:.1f}s" in refused.message
+    # behind the queued one (its 924 steps too: it fits beside the seven's prompts only once
+    # they have ended), a little late
+    assert refused.retry_after == pytest.approx(924 * STEP * 1.1 + 0.25)
+    # its fingerprint is remembered with its booking: when it comes back, refused again, its
+    # booking is replaced, not added to
     assert ac.pools[0].retry.remembers(5)
     assert ac.pools[0].retry.remembered == 1
     again = ac.try_admit(Ask(BIG, streamed=True, key=5))
     assert again is not None and again.reason is Reason.SPILLED
     assert ac.pools[0].retry.remembers(5) and ac.pools[0].retry.remembered == 1
+
+
+def test_a_wait_that_cannot_be_bounded_is_refused() -> None:
+    """A request of 8 sequences over the budget together (each within the pool) runs only into
+    an empty pool: no end of the requests in flight lets it fit beside them, so its wait cannot
+    be bounded, and spill refuses it at once with the release rate's guess as its Retry-After,
+    its fingerprint remembered (a booking with no trajectory)."""
+    clock = Clock()
+    ac = controller(clock)
+    run_seven(ac, clock, (700,) * 7)
+    huge = proj(900, 124, n=8)  # 8 sequences of 8 blocks: 64, over the 63 usable
+    [unbounded] = ac.expected_waits(Ask(huge, streamed=True))
+    assert unbounded.steps is None and unbounded.seconds == float("inf")
+    refused = ac.try_admit(Ask(huge, streamed=True, key=9))
+    assert refused is not None and refused.reason is Reason.SPILLED
+    assert "cannot be bounded" in refused.message
+    assert refused.retry_after is not None and refused.retry_after >= 1.0
+    assert ac.pools[0].retry.remembers(9) and ac.pools[0].retry.bookings == 1
 
 
 def test_queue_and_reject_policies_are_unchanged() -> None:

@@ -140,8 +140,9 @@ class RetryPlanner:
         """Decode steps until ``candidate`` would fit if it were queued now, behind ``ahead``:
         :meth:`plan`'s steps without the bookings (a request queued now is served before any
         refused request that comes back later) and without Retry-After's margin. None: the
-        trajectories cannot bound it (the budget is unknown, or only requests that have not
-        started stand in its way)."""
+        trajectories cannot bound it (the budget is unknown, or the candidate never fits beside
+        the requests queued ahead of it). Requests admitted and not started by vLLM yet are laid
+        out as starting now (``sidecar.kv.rows``)."""
         if budget_blocks is None:
             return None
         others = self.ledger.retry_columns(ahead, likely)

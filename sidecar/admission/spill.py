@@ -17,8 +17,8 @@ pools the request may run in is the one judged (data-parallel engines).
 - Known and at most ``--spill-wait`` seconds: queued (up to ``--max-queue-wait``, as under
   ``--policy queue``).
 - Known and longer: refused at once with 429 ``spilled`` and the planner's Retry-After.
-- Not bounded by the trajectories (only requests that have not started yet stand in its way, and
-  they are held at their worst, never freed): counted as long, refused.
+- Not bounded by the trajectories (it fits only into an empty pool; requests admitted and not
+  started yet are laid out as starting now, ``sidecar.kv.rows``): counted as long, refused.
 - Cold (no decode step time measured yet in a pool: a vLLM that has generated no token since it
   started; the first scrape after it has takes the mean of its inter-token latency histogram):
   queued. Steps cannot be turned into seconds, and a guess of the step time would be off by 10x

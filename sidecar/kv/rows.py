@@ -224,12 +224,22 @@ class Rows:
         self, blocks: BlockMath, likely: Callable[[str], int | None] | None, *, share: bool
     ) -> tuple[Arrays, IntArray]:
         """The rows as :meth:`sidecar.kv.ledger.Ledger.trajectories` lays them out for
-        Retry-After, with ``gone``: the steps until each started one likely ends (its class's
-        ``likely`` length, or twice what it has once past that, within its reserved end)."""
+        Retry-After, with ``gone``: the steps until each one likely ends (its class's ``likely``
+        length, or twice what it has once past that, within its reserved end).
+
+        Every row is laid out as started, those vLLM has not started yet as starting now: they
+        were admitted because they fit, and vLLM starts them within its next steps. Laid out as
+        waiting, as a queued request is, each would start only at the step a refused request is
+        tried at, and a pool whose burst was admitted a moment ago (its prompts not prefilled
+        yet) put every refusal after the one before it had run to its end: on the simulated 8B's
+        fleet burst (``bench.fleet --engine sim-8b``), two sidecars that had each just admitted
+        17 requests told the 14 they refused 25 s, 52 s, then the 60 s cap, where those 34
+        answers ended 27 s into the burst."""
         n = self.n
         end, raw = self.end[:n], self.done[:n]
         done = np.minimum(raw, end)
-        prompt, weight, started = self.prompt[:n], self.weight[:n], self.started[:n]
+        prompt, weight = self.prompt[:n], self.weight[:n]
+        started = np.ones(n, dtype=np.bool_)
         wshared = np.zeros(n, dtype=np.int64)
         if share and self.prefixed and all(cap is None for cap in blocks.group_caps):
             wshared = self._shared(end - done, {})
