@@ -455,6 +455,7 @@ def run_config(
         reset_prefix_cache(url)
     preempt_before = {n: vllm_preemptions(u) for n, u in urls.items()}
     before = {n: vllm_counters(u) for n, u in urls.items()}
+    clocks_before = {n: sim_clock(v) for n, v in vllms.items()}
     sidecars: dict[str, SidecarProcess] = {}
     agent_ports: dict[str, int] = {}
     nginx: Nginx | None = None
@@ -515,6 +516,7 @@ def run_config(
             sc.stop()
     preempt_after = {n: vllm_preemptions(u) for n, u in urls.items()}
     after = {n: vllm_counters(u) for n, u in urls.items()}
+    clocks_after = {n: sim_clock(v) for n, v in vllms.items()}
     return {
         "config": config,
         "seconds": seconds,
@@ -530,7 +532,26 @@ def run_config(
         "preemptions": {n: preempt_after[n] - preempt_before[n] for n in urls},
         "vllm_counters": {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in urls},
         "sidecars": sidecar_figs,
+        # a simulated replica's clock over the run (steps, simulated seconds, and the seconds
+        # its steps ran late on this machine's CPU: the run is valid only where that is small)
+        "sim_clock": {
+            n: {k: clocks_after[n][k] - clocks_before[n][k] for k in clocks_after[n]}
+            for n in urls
+            if clocks_before[n] is not None and clocks_after[n] is not None
+        },
     }
+
+
+#: the simulated engine's clock figures a run keeps (``SimServer.state``)
+SIM_CLOCK = ("steps", "simulated_seconds", "cpu_lag_seconds", "recomputed_tokens")
+
+
+def sim_clock(replica: Replica) -> dict[str, float] | None:
+    """A simulated replica's clock figures now; None for the CPU build."""
+    if not isinstance(replica, SimServer):
+        return None
+    state = replica.state()
+    return {k: float(state[k]) for k in SIM_CLOCK}
 
 
 def start_vllms(engine: FleetEngine = ENGINES["cpu"]) -> dict[str, Replica]:
