@@ -3,6 +3,7 @@
     python -m bench.fleet                # 3 interleaved repetitions (about an hour)
     python -m bench.fleet --quick        # small burst, 1 repetition (a smoke run)
     python -m bench.fleet --report-only  # figures, charts and report from fleet-raw.json
+    python -m bench.fleet --engine sim-8b  # two simulated 8B replicas, an H100 each
 
 Two vLLM servers (CPU build, the generated model, a small KV pool each) sit behind one nginx,
 the engine of ingress-nginx, that spreads requests over them by weighted round-robin (weight 3
@@ -29,6 +30,13 @@ sent at once) goes through these configurations:
 - ``sidecar-spill-2-haproxy``: the same behind HAProxy, with the sidecars on ``--policy spill
   --spill-wait 2 --spill-status 503`` (a spilled request, at arrival or handed back from the
   queue, is answered 503, which HAProxy retries once on another server).
+
+``--engine sim-8b`` runs the replicas on the simulated Llama-3.1-8B (``harness.sim_vllm``), an
+H100 each, 4 times slower than simulated: on the CPU build the two replicas share this machine's
+cores, so work moved from one to the other is not work done beside it; the burst there is 48
+completions of 2,000 prompt tokens and 600 output tokens on pools of 3,000 blocks of 16
+(``bench.fleet.run.ENGINES``), the sidecars' scrape, staleness and spill wait stretched by the
+time scale, and results are named with ``-sim-8b``.
 
 The nginx configuration is the same in all the nginx ones (the retry directives only act on 429,
 503 and errors). Figures per replica: vLLM's preemptions, requests served (nginx's access log, or
