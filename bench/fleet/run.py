@@ -102,10 +102,6 @@ class FleetEngine:
     model: str = ""  # the simulated engine's model (harness/models/NAME.json)
 
     @property
-    def capacity_blocks(self) -> int:
-        return self.num_gpu_blocks - 1  # vLLM keeps one null block
-
-    @property
     def simulated(self) -> bool:
         return bool(self.model)
 

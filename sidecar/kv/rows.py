@@ -239,7 +239,7 @@ class Rows:
         end, raw = self.end[:n], self.done[:n]
         done = np.minimum(raw, end)
         prompt, weight = self.prompt[:n], self.weight[:n]
-        started = np.ones(n, dtype=np.bool_)
+        every = np.ones(n, dtype=np.bool_)  # all laid out as started
         wshared = np.zeros(n, dtype=np.int64)
         if share and self.prefixed and all(cap is None for cap in blocks.group_caps):
             wshared = self._shared(end - done, {})
@@ -250,7 +250,7 @@ class Rows:
             length = by_class[self.klass[:n]]
             likely_end = np.where(raw < length, length, 2 * raw)
             gone = np.where(length < 0, gone, np.maximum(0, np.minimum(end, likely_end) - done))
-        return _split(prompt, done, end, weight, wshared, started), gone[started]
+        return _split(prompt, done, end, weight, wshared, every), gone
 
     def most_advanced(self, count: int) -> list[Reservation] | None:
         """The started reservations that have generated the most of their ``max_tokens``, the
