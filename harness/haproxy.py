@@ -9,7 +9,8 @@ as shipped with the same, few changes, made in one place:
 - ``stats socket /run/haproxy/admin.sock`` -> a socket of the caller's (a temporary directory);
 - the two shipped ``server`` lines (``pod1``, ``pod2``) -> one line per server the caller names,
   on loopback, each with its sidecar's port, its health check's port (``port``: the sidecar's
-  metrics port, for ``/readyz``) and its agent's (``agent-port``).
+  metrics port, for ``/readyz``) and its agent's (``agent-port``), and a ``weight`` of its own
+  where the caller gives one (the fleet benchmark's one-server-per-replica layout).
 
 Everything else (the balancing, the health check, the agent and its interval, the retries, the
 timeouts) is the shipped file's: the weights and checks are on the shipped ``default-server``
@@ -62,15 +63,22 @@ def replace_once(text: str, old: str, new: str) -> str:
 
 
 def local_config(
-    shipped: str, port: int, socket_path: Path, servers: Mapping[str, tuple[int, int, int]]
+    shipped: str,
+    port: int,
+    socket_path: Path,
+    servers: Mapping[str, tuple[int, int, int]],
+    weights: Mapping[str, int] | None = None,
 ) -> str:
     """The shipped file (its text, ``shipped``) listening on ``127.0.0.1:port``, its runtime API
     on ``socket_path``, and its backend's servers ``servers``: name -> (the sidecar's port, its
-    metrics port (the health check), its agent port), in that order, all on loopback."""
+    metrics port (the health check), its agent port), in that order, all on loopback.
+    ``weights``: a server's own ``weight``, where it is not the shipped ``default-server``'s."""
+    weights = weights or {}
     text = replace_once(shipped, "bind :8080", f"bind 127.0.0.1:{port}")
     text = replace_once(text, "stats socket /run/haproxy/admin.sock", f"stats socket {socket_path}")
     lines = [
         f"    server {name} 127.0.0.1:{sc_port} port {check_port} agent-port {agent_port}"
+        + (f" weight {weights[name]}" if name in weights else "")
         for name, (sc_port, check_port, agent_port) in servers.items()
     ]
     if len(_SHIPPED_SERVERS.findall(text)) != 1:

@@ -14,7 +14,7 @@ from typing import Any
 import bench.fleet
 from bench.common import nginx_binary, rotate, warm_up_vllm
 from bench.fleet.figures import aggregate, figures
-from bench.fleet.haproxy import haproxy_binary
+from bench.fleet.haproxy import LAYOUTS, haproxy_binary
 from bench.fleet.report import charts, report
 from bench.fleet.run import (
     CONFIGS,
@@ -85,7 +85,13 @@ def measure(raw: dict[str, Any], configs: list[str], prompts: list[str], started
             progress(f"fleet: run {i}/{len(plan)}: {config}, repetition {rep + 1} (load {load})")
             try:
                 run = run_config(
-                    config, vllms, prompts, max_tokens, raw.get("poisson_rate"), engine
+                    config,
+                    vllms,
+                    prompts,
+                    max_tokens,
+                    raw.get("poisson_rate"),
+                    engine,
+                    raw.get("haproxy_layout", "entries"),
                 )
             except Exception as exc:  # one broken run must not end the others
                 progress(f"fleet: {config} FAILED: {exc!r}")
@@ -146,6 +152,15 @@ def parser() -> argparse.ArgumentParser:
         "in every run) instead of all at once; results named with -poisson<RATE>",
     )
     parser.add_argument(
+        "--haproxy-layout",
+        choices=LAYOUTS,
+        default="entries",
+        help="the *-haproxy configurations' servers: one of weight 100 per unit of the 3:1 "
+        "(entries: A1, A2, A3 and B1; the default) or one per replica with the 3:1 in their "
+        "weights (weights: A 255, B 85, as a deployment has one server per pod); results named "
+        "with -haproxy-weights for the latter",
+    )
+    parser.add_argument(
         "--requests",
         type=int,
         default=None,
@@ -171,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.poisson <= 0:
             cli.error("--poisson: a rate above 0 requests a second")
         suffix += f"-poisson{args.poisson:g}"
+    if args.haproxy_layout != "entries":
+        suffix += f"-haproxy-{args.haproxy_layout}"
     if args.requests is not None and args.requests < 1:
         cli.error("--requests: at least 1")
     if args.report_only:
@@ -209,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "poisson_rate": args.poisson,
         "repeat": repeat,
         "weights": WEIGHTS,
+        "haproxy_layout": args.haproxy_layout,
         "num_gpu_blocks": engine.num_gpu_blocks,
         "max_attempts": MAX_ATTEMPTS,
         "runs": {},

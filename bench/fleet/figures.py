@@ -165,7 +165,7 @@ def agent_weights(run: dict[str, Any]) -> dict[str, Any] | None:
     out: dict[str, Any] = {"samples": len(rows)}
     for n, ws in per.items():
         if ws:
-            full = 100 * WEIGHTS[n]
+            full = run.get("haproxy_configured_weights", {}).get(n, 100 * WEIGHTS[n])
             out[n] = {
                 "first": ws[0],
                 "min": min(ws),

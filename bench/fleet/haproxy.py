@@ -13,13 +13,21 @@ shipped file runs too):
 - the frontend captures the ``x-bench-id`` request header (``capture request header``), so the
   shipped ``option httplog`` line names the request it logs (the log target, ``log stdout``, is
   kept: stdout goes to a file);
-- the two ``server`` lines (``pod1``, ``pod2``) become one per unit of nginx's weight: ``A1``,
-  ``A2``, ``A3`` for replica A's sidecar and ``B1`` for B's, each with the shipped
-  ``default-server`` (``weight 100``, the agent on, ``agent-inter 1s``). HAProxy's weights stop at
-  256 and the agent's ``N%`` scales the configured weight (its floor, 1%, of a weight under 100
-  is 0, which takes a server out of the farm), so 3:1 is three servers of weight 100 against one:
-  the same arrivals as nginx's ``weight=3`` / ``weight=1`` while the agents say 100%, and only
-  the agents' weights can undo the skew.
+- the two ``server`` lines (``pod1``, ``pod2``) become the replicas' servers, in one of two
+  layouts (``LAYOUTS``, ``bench.fleet --haproxy-layout``):
+
+  - ``entries`` (the default): one server per unit of nginx's weight: ``A1``, ``A2``, ``A3`` for
+    replica A's sidecar and ``B1`` for B's, each with the shipped ``default-server`` (``weight
+    100``, the agent on, ``agent-inter 1s``). HAProxy's weights stop at 256 and the agent's
+    ``N%`` scales the configured weight (its floor, 1%, of a weight under 100 is 0, which takes a
+    server out of the farm), so 3:1 is three servers of weight 100 against one: the same arrivals
+    as nginx's ``weight=3`` / ``weight=1`` while the agents say 100%, and only the agents'
+    weights can undo the skew. A request that one of A's servers refuses with a 503 is retried
+    once on another server (``option redispatch``), which is often another of A's.
+  - ``weights``: one server per replica, as a deployment has one per pod (``A`` and ``B``), the
+    3:1 in their own ``weight`` (255 and 85: ``WEIGHT_UNIT`` per unit of nginx's). The retry of a
+    503 from A goes to the other server there is, B; the price is that B's weight at the agent's
+    1% floor is 0 (85 x 1%), so a nearly full B is out of the farm.
 """
 
 from __future__ import annotations
@@ -37,10 +45,25 @@ from bench.common import terminate
 from harness.haproxy import SHIPPED, haproxy_binary, local_config, replace_once, show_stat
 from harness.local import free_port
 
+#: the servers' layouts (``bench.fleet --haproxy-layout``; the module's docstring)
+LAYOUTS = ("entries", "weights")
+#: ``weights`` layout: a server's configured weight per unit of nginx's (3:1 -> 255 and 85, under
+#: HAProxy's cap of 256)
+WEIGHT_UNIT = 85
 
-def server_names(weights: dict[str, int]) -> dict[str, str]:
-    """HAProxy server name -> replica: ``weights[r]`` servers per replica (``A1``, ``A2``...)."""
+
+def server_names(weights: dict[str, int], layout: str = "entries") -> dict[str, str]:
+    """HAProxy server name -> replica: ``weights[r]`` servers per replica (``A1``, ``A2``...), or
+    one per replica, named as it is, in the ``weights`` layout."""
+    if layout == "weights":
+        return {name: name for name in weights}
     return {f"{name}{i}": name for name, w in weights.items() for i in range(1, w + 1)}
+
+
+def configured_weights(weights: dict[str, int], layout: str = "entries") -> dict[str, int]:
+    """Each replica's configured weight, summed over its servers (the agents' 100%)."""
+    unit = WEIGHT_UNIT if layout == "weights" else 100
+    return {name: unit * w for name, w in weights.items()}
 
 
 def haproxy_conf(
@@ -49,17 +72,22 @@ def haproxy_conf(
     socket_path: Path,
     backends: dict[str, tuple[int, int, int]],
     weights: dict[str, int],
+    layout: str = "entries",
 ) -> str:
     """The shipped file with the bench's address, socket, id capture and servers.
 
     ``backends``: replica -> (sidecar port, its metrics port (health check), its agent port)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown HAProxy layout {layout!r}; one of {', '.join(LAYOUTS)}")
     text = replace_once(
         shipped,
         "    default_backend kv_sidecars",
         "    capture request header x-bench-id len 16\n    default_backend kv_sidecars",
     )
-    servers = {server: backends[replica] for server, replica in server_names(weights).items()}
-    return local_config(text, port, socket_path, servers)
+    names = server_names(weights, layout)
+    servers = {server: backends[replica] for server, replica in names.items()}
+    own = configured_weights(weights, layout) if layout == "weights" else {}
+    return local_config(text, port, socket_path, servers, own)
 
 
 # --- the log ------------------------------------------------------------------------------------
@@ -122,15 +150,22 @@ def parse_log(text: str) -> list[dict[str, str]]:
 class HAProxy:
     """HAProxy in the foreground (``-db``) on the bench's rewrite of the shipped file."""
 
-    def __init__(self, backends: dict[str, tuple[int, int, int]], weights: dict[str, int]) -> None:
+    def __init__(
+        self,
+        backends: dict[str, tuple[int, int, int]],
+        weights: dict[str, int],
+        layout: str = "entries",
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="bench-haproxy-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.socket_path = self.dir / "admin.sock"
-        self.servers = server_names(weights)
+        self.servers = server_names(weights, layout)
         self.conf = self.dir / "haproxy.cfg"
         self.conf.write_text(
-            haproxy_conf(SHIPPED.read_text(), self.port, self.socket_path, backends, weights)
+            haproxy_conf(
+                SHIPPED.read_text(), self.port, self.socket_path, backends, weights, layout
+            )
         )
         self.log_path = self.dir / "haproxy.log"
         self.err_path = self.dir / "haproxy.err"

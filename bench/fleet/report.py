@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.fleet.figures import each, paired_ratio
+from bench.fleet.haproxy import WEIGHT_UNIT
 from bench.fleet.run import (
     BLOCK_SIZE,
     CONFIGS,
@@ -222,6 +223,8 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
     rate = raw.get("poisson_rate")
     if rate is not None:
         command += f" --poisson {rate:g} --requests {count}"
+    if raw.get("haproxy_layout", "entries") != "entries":
+        command += f" --haproxy-layout {raw['haproxy_layout']}"
     sent = (
         "sent at once"
         if rate is None
@@ -254,10 +257,16 @@ def _intro(raw: dict[str, Any], figs: dict[str, dict[str, Any]]) -> list[str]:
                 "`sidecar-queue-haproxy`: HAProxy "
                 f"{raw.get('haproxy_version', '?')} instead of nginx, on "
                 "`deploy/gateway/haproxy.cfg` as shipped but for its bind address, its stats "
-                "socket, a capture of the request id for its log, and its servers: three "
-                "(weight 100 each) for replica A's sidecar and one for B's, so 3:1 as nginx's "
-                "until the sidecars' agents (`--agent-port`, asked every second) lower a weight "
-                "(`bench/fleet/haproxy.py`; the exact file is in the raw JSON). "
+                "socket, a capture of the request id for its log, and its servers: "
+                + (
+                    "one for each replica's sidecar, of weight "
+                    f"{WEIGHT_UNIT * WEIGHTS['A']} (A) and {WEIGHT_UNIT * WEIGHTS['B']} (B), "
+                    if raw.get("haproxy_layout") == "weights"
+                    else "three (weight 100 each) for replica A's sidecar and one for B's, "
+                )
+                + "so 3:1 as nginx's until the sidecars' agents (`--agent-port`, asked every "
+                "second) lower a weight (`bench/fleet/haproxy.py`; the exact file is in the raw "
+                "JSON). "
                 "`sidecar-spill-2-haproxy`: the same with the sidecars on `--policy spill "
                 "--spill-wait 2 --spill-status 503`, so that HAProxy retries a spilled request "
                 "once on another server.",

@@ -26,7 +26,7 @@ from bench.common import (
     wait_idle,
     wait_tokenizer,
 )
-from bench.fleet.haproxy import HAProxy
+from bench.fleet.haproxy import HAProxy, configured_weights
 from harness.bench_util import progress
 from harness.exposition import cache_config_labels, metric_value
 from harness.local import free_port
@@ -444,6 +444,7 @@ def run_config(
     max_tokens: int,
     rate: float | None = None,
     engine: FleetEngine = ENGINES["cpu"],
+    haproxy_layout: str = "entries",
 ) -> dict[str, Any]:
     urls = {name: v.url for name, v in vllms.items()}
     wait_idle(*urls.values(), timeout=180.0)
@@ -478,6 +479,7 @@ def run_config(
             haproxy = HAProxy(
                 {n: (sc.port, sc.metrics_port, agent_ports[n]) for n, sc in sidecars.items()},
                 WEIGHTS,
+                haproxy_layout,
             ).start()
             gateway_url = haproxy.url
             port_to_replica = dict(haproxy.servers)
@@ -524,6 +526,16 @@ def run_config(
         f"{'haproxy' if haproxy is not None else 'nginx'}_log": log,
         f"{'haproxy' if haproxy is not None else 'nginx'}_conf": gateway_conf,
         "port_to_replica": port_to_replica,
+        # HAProxy's servers: their layout (bench.fleet.haproxy.LAYOUTS) and each replica's
+        # configured weight, summed over its servers (what its agent's 100% gives it)
+        **(
+            {
+                "haproxy_layout": haproxy_layout,
+                "haproxy_configured_weights": configured_weights(WEIGHTS, haproxy_layout),
+            }
+            if haproxy is not None
+            else {}
+        ),
         "samples": samples,
         "preemptions": {n: preempt_after[n] - preempt_before[n] for n in urls},
         "vllm_counters": {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in urls},
