@@ -197,3 +197,82 @@ def test_min_tokens_is_the_least_an_answer_is_reserved(reservation: str) -> None
         (300,), requested_max_tokens=100, n=1, max_model_len=1024, blocks=BLOCKS, min_tokens=500
     )
     assert ac.ends(over, PLAIN) == (100,)
+
+
+def long_proj() -> Projection:
+    """A 3,000-token prompt running to 700 tokens: 29 blocks of 128 at its end, 26 at the floor."""
+    return project_counts((3000,), requested_max_tokens=700, n=1, max_model_len=4096, blocks=BLOCKS)
+
+
+def test_a_reservation_laid_down_cold_is_lowered_once_the_costs_say_to_risk_it() -> None:
+    """Admitted before the engine's costs are measured, a 3,000-token prompt that runs to its
+    700 tokens is reserved all of them (29 blocks): the prior's recompute of its 3,700 tokens
+    (3.6 steps) is not cheap, and a guessed fixed share risks no dear one. 8 fill a pool of
+    256. Once the costs are measured (a step of 10 ms + 27 us a sequence with 8 decoding, 27 us
+    a prompt token: one more sequence saves ~86 steps, a certain recompute costs ~10) adaptive
+    mode risks such a request from the floor (26 blocks), and the scrape that measured them
+    lowers the 8 in flight to it too, so a ninth fits (8 x 26 + 26 = 234). Without that, the
+    8 whole reservations (232) left it no room until one ended: on the simulated 8B's
+    two-round burst the last requests of a round waited the whole round. Worst-case mode
+    keeps every reservation whole."""
+    clock = Clock()
+    ac = controller(clock, "adaptive")
+    ac.on_snapshot(snapshot(clock, blocks=257))
+    costs = ac.pools[0].view.costs
+    assert costs.fixed_share() is None and costs.recompute_steps(3700) > CHEAP_RECOMPUTE_STEPS
+    held = []
+    while (d := ac.try_admit(Ask(long_proj(), streamed=True, klass=EOS))) is not None:
+        assert d.admitted and d.reservation is not None
+        held.append(d.reservation)
+    assert [r.ends for r in held] == [(700,)] * 8 and ac.ledger.reserved_blocks == 8 * 29
+    teach_costs(ac, clock, snapshot(clock, blocks=257), per_token=2.7e-5, running=8)
+    assert costs.fixed_share() is not None
+    assert costs.gain_steps(700, 8) > costs.recompute_steps(3700)
+    assert [r.ends for r in held] == [(COLD_OUTPUT_TOKENS,)] * 8
+    assert ac.ledger.reserved_blocks == 8 * 26
+    d = ac.try_admit(Ask(long_proj(), streamed=True, klass=EOS))
+    assert d is not None and d.admitted
+    assert ac.try_admit(Ask(long_proj(), streamed=True, klass=EOS)) is None  # 9 x 26 + 26 > 256
+    strict = controller(clock, "worst-case")
+    strict.on_snapshot(snapshot(clock, blocks=257))
+    kept = [strict.try_admit(Ask(long_proj(), streamed=True, klass=EOS)) for _ in range(8)]
+    teach_costs(strict, clock, snapshot(clock, blocks=257), per_token=2.7e-5, running=8)
+    assert all(k is not None and k.reservation is not None for k in kept)
+    assert strict.ledger.reserved_blocks == 8 * 29
+
+
+def test_an_answer_past_the_floor_is_lowered_only_to_where_it_is_expected_to_run() -> None:
+    """Revised in flight, a sequence that has generated 100 tokens of its 700 falls to the floor
+    (256: 5 blocks of 128 for its 300-token prompt, not 8), one that has generated 300 is not
+    taken back to the floor it has passed: an answer past its end is expected to run to twice
+    what it has (``Reservation.end``), so its end falls to 600, and one that has generated 400
+    keeps 700. An answer whose length is learned (no ``ignore_eos``) is not revised here, nor
+    one reserved no higher than the floor already. The ledger's future peak follows."""
+    rule = Ends(ReservationMode.adaptive, LengthLearner(), risk_steps=1.0)
+    costs = EngineCosts()
+    assert rule.end(EOS, 300, 700, costs, 15) == COLD_OUTPUT_TOKENS
+    ledger = Ledger(BLOCKS)
+    early, past, further, plain, low = (
+        ledger.reserve(proj(), streamed=True, ends=(700,), klass=k)
+        for k in (EOS, EOS, EOS, PLAIN, EOS)
+    )
+    ledger.revise(low, (COLD_OUTPUT_TOKENS,))
+    for res, generated in ((early, 100), (past, 300), (further, 400)):
+        ledger.start(res)
+        ledger.advance(res, generated)
+    assert rule.revised(early, costs, 15) == (COLD_OUTPUT_TOKENS,)
+    assert rule.revised(past, costs, 15) == (600,)
+    assert rule.revised(further, costs, 15) is None
+    assert rule.revised(plain, costs, 15) is None
+    assert rule.revised(low, costs, 15) is None
+    reserved, peak = ledger.reserved_blocks, ledger.peak_with()
+    assert ledger.peak_bounds() == (peak, peak)  # a profile built, and its bound kept
+    ledger.revise(early, (COLD_OUTPUT_TOKENS,))
+    ledger.revise(past, (600,))
+    assert early.ends == (COLD_OUTPUT_TOKENS,) and past.ends == (600,)
+    assert not early.overran and not past.overran
+    assert early.reserved_blocks == 5 and past.reserved_blocks == 8
+    assert ledger.reserved_blocks == reserved - 3
+    lowered = ledger.peak_with()
+    assert lowered < peak
+    assert ledger.peak_bounds() == (lowered, lowered)  # the kept bound dropped, not stale

@@ -182,6 +182,8 @@ class AdmissionController:
         """Reconcile with a fresh scrape of vLLM, then re-evaluate the queue."""
         self._snapshot = snap
         preempted = self._pools.update(snap)
+        # reservations laid down before the costs were measured, as they would be laid now
+        self._pools.revise(self.reserving, lambda res: self._guarded(res.priority))
         if self.reservation_mode is not ReservationMode.worst_case and snap.generation_lengths:
             if self.learner.seed(
                 snap.generation_lengths,
@@ -189,10 +191,7 @@ class AdmissionController:
                 at_length=snap.answers_at_length,
                 stopped=snap.answers_stopped,
             ):
-                log.info(
-                    "answer lengths: %d taken from vLLM's history (vllm:request_generation_tokens)",
-                    self.learner.seeded,
-                )
+                log.info("answer lengths: %d from vLLM's history", self.learner.seeded)
         if preempted and self.reservation_mode is not ReservationMode.worst_case:
             self.learner.tighten()
             log.warning("vLLM preempted; expected-mode reservations tightened")

@@ -41,6 +41,7 @@ from __future__ import annotations
 from sidecar.admission.costs import GAIN_QUANTILES, QUANTILES, SURE, EngineCosts, reserve_quantile
 from sidecar.admission.learner import UNBOUNDED, LengthLearner, runs_to_max
 from sidecar.config import ReservationMode
+from sidecar.kv.ledger import Reservation
 
 #: adaptive mode, while nothing is known of answer lengths: output tokens risked per sequence
 #: where a recompute is cheap (a few decode steps), widened as the answer runs past them (LightLLM
@@ -137,6 +138,36 @@ class Ends:
         if self._risks_to_max(prompt_tokens, max_tokens, costs, concurrency):
             return False
         return costs.recompute_steps(prompt_tokens + max_tokens) <= CHEAP_RECOMPUTE_STEPS
+
+    def revised(
+        self, res: Reservation, costs: EngineCosts, concurrency: float = 1.0
+    ) -> tuple[int, ...] | None:
+        """Lower ends for an ``ignore_eos`` request in flight that was reserved more than
+        adaptive mode would reserve it now, or None where none is lower (another mode, a class
+        whose lengths are learned, ends that stay).
+
+        A request admitted before the engine's costs were measured is reserved its whole
+        ``max_tokens`` where the prior's recompute is not cheap (``_gain``: a guess risks no
+        dear one), and it kept that reservation after the costs were measured and said to
+        risk it from the floor. On the simulated 8B's two-round burst the second round was
+        admitted in the second after the first ended, before the next scrape measured the
+        costs: 17 whole reservations then left no room for the last two requests of the
+        round, each of which waited the whole round and then ran with one other (the run took
+        72 s against 57 s where two more fitted: BENCHMARKS.md, HAProxy with one server per
+        replica). The revised end is the floor, or, for a sequence that has generated it,
+        where an answer past its end is expected to run (``Reservation.end``); never higher
+        than the one it has, and never under its ``min_tokens``."""
+        if self.mode is not ReservationMode.adaptive or not runs_to_max(res.klass):
+            return None
+        p = res.projection
+        done = int(res.generated)
+        ends = []
+        for prompt, limit, end in zip(p.prompt_tokens, p.max_tokens, res.ends, strict=True):
+            floor = self._runs_to_max(prompt, limit, costs, concurrency)
+            new = floor if done < floor else min(limit, max(floor, 2 * done))
+            ends.append(min(end, max(min(p.min_tokens, limit), new)))
+        revised = tuple(ends)
+        return revised if revised != res.ends else None
 
     def spread_quantile(
         self,

@@ -101,6 +101,19 @@ class Pools:
             self._repool([part.engine for part in parts])
         return sum(pool.view.update(part) for pool, part in zip(self.live, parts, strict=True))
 
+    def revise(self, reserving: Ends, kept: Callable[[Reservation], bool]) -> int:
+        """Lower the ends of the requests in flight that adaptive mode would reserve less now
+        (``Ends.revised``), in every pool, but those ``kept`` says to keep; how many."""
+        revised = 0
+        for pool in self.live:
+            ledger, costs = pool.ledger, pool.view.costs
+            for res in ledger:
+                ends = None if kept(res) else reserving.revised(res, costs, len(ledger))
+                if ends is not None:
+                    ledger.revise(res, ends)
+                    revised += 1
+        return revised
+
     def _repool(self, engines: list[str]) -> None:
         """vLLM's engines are not the pools' (the first scrape of a data-parallel vLLM):
         one pool per engine, keeping the pools of engines still there."""

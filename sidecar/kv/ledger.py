@@ -297,6 +297,33 @@ class Ledger:
             return  # counted from its start
         self._set_predicted(res, res.projection.blocks_at(int(generated_per_sequence), self.blocks))
 
+    def revise(self, res: Reservation, ends: Sequence[int]) -> None:
+        """Lower the reserved ends of a request in flight (adaptive mode, where the engine's
+        costs measured since it was admitted would reserve it less: ``sidecar.admission.ends.
+        Ends.revised``): its reserved and laid-out blocks follow, and the kept non-worst-case
+        bound is dropped (an end moved). Its tenant's blocks stay those it was admitted with."""
+        ends = tuple(ends)
+        if res.released or res.id not in self._active or ends == res.ends:
+            return
+        p = res.projection
+        laid = p.n * sum(
+            self.blocks.blocks_held(q + e, q, started=False)
+            for q, e in zip(p.prompt_tokens, ends, strict=True)
+        )
+        reserved = max(laid, p.prompt_blocks) if p.exact else laid
+        reserved = max(reserved, res.predicted_blocks)
+        res.ends = ends
+        res.laid_out = laid
+        self.reserved_blocks += reserved - res.reserved_blocks
+        res.reserved_blocks = reserved
+        if not res.overran and res.generated >= min(ends):
+            res.overran = True
+            self.overruns += 1
+        self._rows.update(res)
+        done = int(res.generated) if res.started else 0
+        self._moved(res, done, done, True)
+        self.version += 1
+
     def _set_predicted(self, res: Reservation, predicted: int) -> None:
         if predicted != res.predicted_blocks:
             self.predicted_blocks += predicted - res.predicted_blocks
