@@ -19,7 +19,7 @@ from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
 from sidecar.admission.costs import PRIOR_FIXED_SHARE, EngineCosts
 from sidecar.admission.ends import CHEAP_RECOMPUTE_STEPS, COLD_OUTPUT_TOKENS, Ends
-from sidecar.admission.learner import LengthLearner, request_class
+from sidecar.admission.learner import LengthLearner, request_class, runs_to_max
 from sidecar.config import ReservationMode
 from sidecar.counting.request import parse_generation
 from sidecar.kv.geometry import UniformBlocks
@@ -257,6 +257,8 @@ def test_an_answer_past_the_floor_is_lowered_only_to_where_it_is_expected_to_run
         for k in (EOS, EOS, EOS, PLAIN, EOS)
     )
     ledger.revise(low, (COLD_OUTPUT_TOKENS,))
+    whole = {r.id for r in ledger.whole(runs_to_max)}
+    assert whole == {early.id, past.id, further.id}  # not the learned class, nor the lowered
     for res, generated in ((early, 100), (past, 300), (further, 400)):
         ledger.start(res)
         ledger.advance(res, generated)

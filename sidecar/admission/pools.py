@@ -29,8 +29,10 @@ from sidecar.admission.ask import KVState
 from sidecar.admission.ends import Ends
 from sidecar.admission.engine_view import EngineView
 from sidecar.admission.fit import PoolState, budget_blocks, committed_blocks, in_flight_peak
+from sidecar.admission.learner import runs_to_max
 from sidecar.admission.pacing import PrefillPace
 from sidecar.admission.retry import RetryPlanner
+from sidecar.config import ReservationMode
 from sidecar.engine.snapshot import EngineSnapshot
 from sidecar.kv.blocks import BlockMath
 from sidecar.kv.ledger import Ledger, Reservation
@@ -104,10 +106,12 @@ class Pools:
     def revise(self, reserving: Ends, kept: Callable[[Reservation], bool]) -> int:
         """Lower the ends of the requests in flight that adaptive mode would reserve less now
         (``Ends.revised``), in every pool, but those ``kept`` says to keep; how many."""
+        if reserving.mode is not ReservationMode.adaptive:
+            return 0
         revised = 0
         for pool in self.live:
             ledger, costs = pool.ledger, pool.view.costs
-            for res in ledger:
+            for res in ledger.whole(runs_to_max):
                 ends = None if kept(res) else reserving.revised(res, costs, len(ledger))
                 if ends is not None:
                     ledger.revise(res, ends)

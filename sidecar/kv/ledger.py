@@ -298,10 +298,9 @@ class Ledger:
         self._set_predicted(res, res.projection.blocks_at(int(generated_per_sequence), self.blocks))
 
     def revise(self, res: Reservation, ends: Sequence[int]) -> None:
-        """Lower the reserved ends of a request in flight (adaptive mode, where the engine's
-        costs measured since it was admitted would reserve it less: ``sidecar.admission.ends.
-        Ends.revised``): its reserved and laid-out blocks follow, and the kept non-worst-case
-        bound is dropped (an end moved). Its tenant's blocks stay those it was admitted with."""
+        """Lower the reserved ends of a request in flight (``sidecar.admission.ends.Ends.
+        revised``): its reserved and laid-out blocks follow, the kept non-worst-case bound is
+        dropped (an end moved); its tenant's blocks stay those it was admitted with."""
         ends = tuple(ends)
         if res.released or res.id not in self._active or ends == res.ends:
             return
@@ -323,6 +322,11 @@ class Ledger:
         done = int(res.generated) if res.started else 0
         self._moved(res, done, done, True)
         self.version += 1
+
+    def whole(self, klass: Callable[[str], bool]) -> list[Reservation]:
+        """The requests in flight of a class ``klass`` picks with a sequence laid out to its
+        max_tokens (``sidecar.kv.rows.Rows.whole``)."""
+        return cast(list[Reservation], self._rows.whole(klass))  # the rows' owners are ours
 
     def _set_predicted(self, res: Reservation, predicted: int) -> None:
         if predicted != res.predicted_blocks:

@@ -160,6 +160,20 @@ class Rows:
                 self.started[r] = started
         return moved
 
+    def whole(self, klass: Callable[[str], bool]) -> list[Reservation]:
+        """The requests with a row of a class ``klass`` picks laid out to its max_tokens (one
+        vectorised pass: every scrape asks, ``sidecar.admission.pools.Pools.revise``)."""
+        picked = [i for name, i in self.classes.items() if klass(name)]
+        n = self.n
+        if not picked or not n:
+            return []
+        hit = np.flatnonzero((self.end[:n] == self.max_end[:n]) & np.isin(self.klass[:n], picked))
+        found: dict[int, Reservation] = {}
+        for r in hit:
+            res = self.owner[r][0]
+            found[id(res)] = res
+        return list(found.values())
+
     def remove(self, res: Reservation) -> None:
         for r in sorted(res.rows, reverse=True):
             self.prefixed -= self.nhash[r] > 0
