@@ -3,14 +3,15 @@ KV budget sent at once. What fits is forwarded; every other request would wait f
 700 tokens to end, so each is refused at once with 429 ``spilled`` and both retry headers, and
 none is queued; vLLM never preempts.
 
-The burst arrives with vLLM's engine stopped (``tests/support/stepped.frozen_engine``): the
-requests admitted have not started, so the wait for room behind them is one the trajectories
-cannot bound, and is refused, whatever the host's speed. Sent to the free-running engine, the
-decisions depended on it: once the admitted answers had started, the wait was about 700 decode
-steps times the learned step time, which on a host decoding this model at 2.5 ms a step is
-under the 2 s ``--spill-wait``, and the stragglers of the burst would be queued. A known wait,
-short (queued) and long (refused), is asserted on the stepped simulated engine
-(tests/test_spill_sim.py), where it can be made exactly.
+The burst arrives with vLLM's engine stopped (``tests/support/stepped.frozen_engine``), so no
+answer starts or ends while it is decided. The requests admitted have not started, and are laid
+out as starting now (``sidecar.kv.rows``, since ``819c648``): the wait for room behind them is
+their 700 decode steps at the learned step time. With the default ``--spill-wait`` of 2 s that
+was under the threshold on a host decoding this model at 2.5 ms a step or faster, and the
+stragglers of the burst were queued (a fresh-clone CI run of ``674aacc``: 7 queued). So the
+test runs with ``--spill-wait 0.1``: 700 steps are over it on any host slower than 0.15 ms a
+step. A known wait, short (queued) and long (refused), is asserted on the stepped simulated
+engine (tests/test_spill_sim.py), where it can be made exactly.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ pytestmark = pytest.mark.vllm
 PROMPT_TOKENS = 271
 MAX_TOKENS = 700
 REQUESTS = 20
+#: seconds: a wait of 700 decode steps is over it on any host slower than 0.15 ms a step
+SPILL_WAIT = 0.1
 
 
 def counts(sc: SidecarProcess) -> dict[str, float]:
@@ -55,7 +58,7 @@ def test_a_burst_beyond_the_budget_is_spilled_at_once_not_queued(vllm: VllmInfo)
         unless_external(f"{REQUESTS} requests of {each} blocks fit a pool of {vllm.num_gpu_blocks}")
     prompts = make_prompts(vllm.model_dir, REQUESTS, PROMPT_TOKENS, seed=41)
     before = idle_preemptions(vllm.url)
-    with SidecarProcess(vllm.url, "--policy", "spill", "--spill-wait", "2") as sc:
+    with SidecarProcess(vllm.url, "--policy", "spill", "--spill-wait", str(SPILL_WAIT)) as sc:
         fits = sc.state()["budget_blocks"] // each
         assert 1 <= fits < REQUESTS, sc.state()
         with ThreadPoolExecutor(1) as pool:
