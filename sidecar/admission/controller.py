@@ -182,7 +182,7 @@ class AdmissionController:
         """Reconcile with a fresh scrape of vLLM, then re-evaluate the queue."""
         self._snapshot = snap
         preempted = self._pools.update(snap)
-        # reservations laid down before the costs were measured, as they would be laid now
+        # whole ignore_eos reservations the costs now say to risk, as they would be laid now
         self._pools.revise(self.reserving, lambda res: self._guarded(res.priority))
         if self.reservation_mode is not ReservationMode.worst_case and snap.generation_lengths:
             if self.learner.seed(

@@ -41,7 +41,7 @@ from __future__ import annotations
 from sidecar.admission.costs import GAIN_QUANTILES, QUANTILES, SURE, EngineCosts, reserve_quantile
 from sidecar.admission.learner import UNBOUNDED, LengthLearner, runs_to_max
 from sidecar.config import ReservationMode
-from sidecar.kv.ledger import Reservation
+from sidecar.kv.ledger import Reservation, widened
 
 #: adaptive mode, while nothing is known of answer lengths: output tokens risked per sequence
 #: where a recompute is cheap (a few decode steps), widened as the answer runs past them (LightLLM
@@ -163,8 +163,7 @@ class Ends:
         done = int(res.generated)
         ends = []
         for prompt, limit, end in zip(p.prompt_tokens, p.max_tokens, res.ends, strict=True):
-            floor = self._runs_to_max(prompt, limit, costs, concurrency)
-            new = floor if done < floor else min(limit, max(floor, 2 * done))
+            new = widened(self._runs_to_max(prompt, limit, costs, concurrency), limit, done)
             ends.append(min(end, max(min(p.min_tokens, limit), new)))
         revised = tuple(ends)
         return revised if revised != res.ends else None

@@ -92,12 +92,13 @@ class Reservation:
     def end(self, i: int) -> int:
         """Output tokens prompt ``i``'s sequences may still be expected to reach: the reserved
         end, and past it (an answer longer than expected) twice what it has, up to max_tokens."""
-        end = self.ends[i]
-        limit = self.projection.max_tokens[i]
-        done = int(self.generated)
-        if done >= end:
-            end = min(limit, max(end, 2 * done))
-        return end
+        return widened(self.ends[i], self.projection.max_tokens[i], int(self.generated))
+
+
+def widened(end: int, limit: int, done: int) -> int:
+    """A sequence reserved to ``end`` that has generated ``done``: ``end``, and past it twice
+    what it has, up to ``limit`` (its max_tokens)."""
+    return min(limit, max(end, 2 * done)) if done >= end else end
 
 
 def likely_end(likely: Callable[[str], int | None]) -> Callable[[Reservation, int], int]:
@@ -182,24 +183,28 @@ class Ledger:
         """A reservation for ``projection`` that is not in the ledger (yet): what
         :meth:`reserve` would add, for :meth:`trajectories` to weigh."""
         reserved_ends = tuple(projection.max_tokens if ends is None else ends)
-        reserved = projection.n * sum(
-            self.blocks.blocks_held(p + e, p, started=False)
-            for p, e in zip(projection.prompt_tokens, reserved_ends, strict=True)
-        )
+        laid, reserved = self._at_ends(projection, reserved_ends)
         return Reservation(
             id=0,
             projection=projection,
-            laid_out=reserved,
+            laid_out=laid,
             ends=reserved_ends,
-            reserved_blocks=max(reserved, projection.prompt_blocks)
-            if projection.exact
-            else reserved,
+            reserved_blocks=reserved,
             predicted_blocks=0,
             streamed=streamed,
             admitted_at=self._clock(),
             prefix=prefix if self.share_prefixes else None,
             klass=klass,
         )
+
+    def _at_ends(self, projection: Projection, ends: Sequence[int]) -> tuple[int, int]:
+        """Blocks with every sequence at ``ends``: laid out, and reserved (at least the prompt's
+        for an exact count)."""
+        laid = projection.n * sum(
+            self.blocks.blocks_held(p + e, p, started=False)
+            for p, e in zip(projection.prompt_tokens, ends, strict=True)
+        )
+        return laid, max(laid, projection.prompt_blocks) if projection.exact else laid
 
     def reserve(
         self,
@@ -304,12 +309,7 @@ class Ledger:
         ends = tuple(ends)
         if res.released or res.id not in self._active or ends == res.ends:
             return
-        p = res.projection
-        laid = p.n * sum(
-            self.blocks.blocks_held(q + e, q, started=False)
-            for q, e in zip(p.prompt_tokens, ends, strict=True)
-        )
-        reserved = max(laid, p.prompt_blocks) if p.exact else laid
+        laid, reserved = self._at_ends(res.projection, ends)
         reserved = max(reserved, res.predicted_blocks)
         res.ends = ends
         res.laid_out = laid
