@@ -1,7 +1,8 @@
 """Retry-After bookings that do not outlive their evidence (``sidecar.admission.retry``): a
 refusal's booking is provisional for a short hold, then stops pushing later slots out unless its
 request came back (the same fingerprint refused again), which confirms it until its slot plus the
-grace. The clock is injected: nothing sleeps."""
+grace. And the requests queued ahead of a refused one start in turn, not all at once with it.
+The clock is injected: nothing sleeps."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ import pytest
 
 from sidecar.admission.ask import Ask
 from sidecar.admission.controller import AdmissionController
-from sidecar.admission.retry import MAX_BOOKINGS, PROVISIONAL_HOLD_S, RetryPlanner, fingerprint
+from sidecar.admission.retry import (
+    MAX_BOOKINGS,
+    MAX_PLACED,
+    PROVISIONAL_HOLD_S,
+    RetryPlanner,
+    fingerprint,
+)
 from sidecar.kv.geometry import UniformBlocks
-from sidecar.kv.ledger import Ledger
+from sidecar.kv.ledger import Ledger, Reservation
 from sidecar.kv.projection import project_counts
 from tests.support.snapshots import Clock, snapshot
 
@@ -175,3 +182,67 @@ def test_the_fingerprint_is_the_same_in_every_process() -> None:
     }
     assert seen == {str(fingerprint(body))}
     assert fingerprint(body) != fingerprint(body + b" ")
+
+# The requests queued ahead of a refused one start in turn, each where it first fits beside those
+# before it and no sooner than the one ahead of it, and then end as the requests in flight do.
+# Laid out together, as if all of them started with the refused request, two large ones ahead
+# outweighed the budget and the planner gave no bound (its fallback: the release rate, 60 s
+# early in a run).
+
+#: BIG's sequences end after their 124 tokens: one BIG holds the pool's room for 124 steps
+RUN = 124
+
+
+def big(ac) -> Reservation:  # type: ignore[no-untyped-def]
+    return ac.ledger.candidate(BIG, streamed=True, ends=(RUN,))
+
+
+def steps(p: RetryPlanner, candidate: Reservation, ahead: list[Reservation]) -> int | None:
+    return p.wait_steps(candidate, ahead=ahead, budget_blocks=63, external_blocks=0)
+
+
+def test_each_request_queued_ahead_starts_when_the_one_before_it_has_made_room() -> None:
+    """63 blocks, seven requests in flight holding 56 until 224 steps from now, and two BIGs
+    (32 blocks each: two never fit at once) queued ahead of a third: the first starts at 224,
+    the second when the first ends, the third when the second ends."""
+    ac, _ = refusing()
+    p = planner(ac)
+    assert steps(p, big(ac), []) == 224
+    assert steps(p, big(ac), [big(ac)]) == 224 + RUN
+    assert steps(p, big(ac), [big(ac), big(ac)]) == 224 + 2 * RUN
+
+
+def test_retry_after_behind_a_queue_is_its_turn_not_the_fallback() -> None:
+    """The same as a Retry-After: the seconds of its turn (with the planner's margin), not the
+    fallback's."""
+    ac, _ = refusing()
+    seconds = planner(ac).plan(
+        big(ac),
+        ahead=[big(ac), big(ac)],
+        budget_blocks=63,
+        external_blocks=0,
+        seconds_per_step=STEP,
+        fallback=lambda: 60.0,
+        book=False,
+    )
+    assert seconds == pytest.approx((224 + 2 * RUN) * STEP * 1.1 + 0.25)
+
+
+def test_a_small_request_behind_a_large_one_waits_for_the_large_one_to_start() -> None:
+    """The queue tries its head only: a request that would fit now waits behind the head, and
+    then fits beside it."""
+    ac, _ = refusing()
+    tiny = ac.ledger.candidate(
+        project_counts((100,), requested_max_tokens=20, n=1, max_model_len=1024, blocks=BLOCKS),
+        streamed=True,
+        ends=(20,),
+    )
+    assert steps(planner(ac), tiny, []) == 0  # 1 block: fits now
+    assert steps(planner(ac), tiny, [big(ac)]) == 224  # after the BIG ahead of it starts
+
+
+def test_beyond_max_placed_the_queue_is_laid_out_together() -> None:
+    """More than MAX_PLACED ahead: all of them with the candidate, as if they started at once (no
+    bound when they never fit together)."""
+    ac, _ = refusing()
+    assert steps(planner(ac), big(ac), [big(ac)] * (MAX_PLACED + 1)) is None

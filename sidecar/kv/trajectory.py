@@ -441,9 +441,13 @@ def steps_until_fits(
     candidate: Sequence[Trajectory] | Columns,
     budget_blocks: int,
     blocks: BlockMath,
+    *,
+    not_before: int = 0,
 ) -> int | None:
     """Decode steps until ``candidate`` (unstarted) fits under ``budget_blocks`` beside the
-    others, if it were admitted then: 0 if it fits now, None if it never fits (not even alone).
+    others, if it were admitted then: ``not_before`` (0: now) if it fits then, None if it never
+    fits (not even alone). ``not_before``: the step it cannot start before (the request queued
+    ahead of it starts then).
 
     The candidate is tried at ends of started sequences (all of them, or at most
     ``MAX_TRIED_STARTS`` spread over them, always with the last): the others' demand from then
@@ -464,7 +468,8 @@ def steps_until_fits(
         np.concatenate([w_weight, c_weight]),
         np.concatenate([w_wshared, c_wshared]),
     )
-    starts = np.unique(np.append(gone, 0))
+    starts = np.unique(np.append(gone, not_before))
+    starts = starts[starts >= not_before]
     if len(starts) > MAX_TRIED_STARTS:
         picks = np.linspace(0, len(starts) - 1, MAX_TRIED_STARTS).round().astype(np.int64)
         starts = starts[np.unique(picks)]
