@@ -183,6 +183,7 @@ def test_the_fingerprint_is_the_same_in_every_process() -> None:
     assert seen == {str(fingerprint(body))}
     assert fingerprint(body) != fingerprint(body + b" ")
 
+
 # The requests queued ahead of a refused one start in turn, each where it first fits beside those
 # before it and no sooner than the one ahead of it, and then end as the requests in flight do.
 # Laid out together, as if all of them started with the refused request, two large ones ahead
