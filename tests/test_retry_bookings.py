@@ -247,3 +247,29 @@ def test_beyond_max_placed_the_queue_is_laid_out_together() -> None:
     bound when they never fit together)."""
     ac, _ = refusing()
     assert steps(planner(ac), big(ac), [big(ac)] * (MAX_PLACED + 1)) is None
+
+
+def test_the_requests_queued_now_start_before_the_refused_ones_come_back() -> None:
+    """A BIG refused a moment ago is booked to come back when the seven in flight have ended
+    (its slot: 224 steps and the margin from now). A BIG queued now is served before it, at 224,
+    so a small request queued behind that BIG fits once that BIG has ended (224 + 124 steps), not
+    once the booked one has (its slot + 124), as when the bookings were laid out first."""
+    ac, _ = refusing()
+    refuse(ac, 1)
+    slot = round(ALONE / STEP)  # the booking's start, in steps from now
+    tiny = ac.ledger.candidate(
+        project_counts((100,), requested_max_tokens=20, n=1, max_model_len=1024, blocks=BLOCKS),
+        streamed=True,
+        ends=(20,),
+    )
+    seconds = planner(ac).plan(
+        tiny,
+        ahead=[big(ac)],
+        budget_blocks=63,
+        external_blocks=0,
+        seconds_per_step=STEP,
+        fallback=lambda: 60.0,
+        book=False,
+    )
+    assert slot < 224 + RUN < slot + RUN
+    assert seconds == pytest.approx((224 + RUN) * STEP * 1.1 + 0.25)

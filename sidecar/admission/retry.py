@@ -175,12 +175,14 @@ class RetryPlanner:
         candidate: Reservation,
         budget: int,
         likely: Callable[[str], int | None] | None,
+        booked: Sequence[tuple[Columns, int]] = (),
     ) -> int | None:
         """Steps until ``candidate`` fits beside ``others`` once ``queued`` (ahead of it, in
         order) have started: each starts where it first fits beside what started before it, and
         no sooner than the one ahead of it (the queue tries its head only), and then runs as the
-        requests in flight do, to where its class's answers likely end. None: one of them never
-        fits."""
+        requests in flight do, to where its class's answers likely end. ``booked``: refused
+        requests coming back (each starting that many steps from now), laid out after the
+        queued ones, which are served before them. None: one of them never fits."""
         start = 0
         for res in queued:
             own = self._own(res, likely)
@@ -189,6 +191,8 @@ class RetryPlanner:
                 return None
             others.add_delayed(own, at)
             start = at
+        for trajectories, steps_to_slot in booked:
+            others.add_delayed(trajectories, steps_to_slot)
         own = self._own(candidate, likely)
         return steps_until_fits(others, own, budget, self.ledger.blocks, not_before=start)
 
@@ -230,15 +234,15 @@ class RetryPlanner:
         if budget_blocks is None or seconds_per_step is None or seconds_per_step <= 0:
             return self._fallback(fallback, now, book, key, mine)
         others, queued = self._columns(ahead, likely)
-        for booking in self._counted():
-            if key is not None and booking.key == key:
-                continue  # its own earlier slot (a what-if leaves it booked)
-            if mine is not None and booking.rank > mine.rank:
-                continue  # refused after it: told to come back after it
-            steps_to_slot = max(0, round((booking.slot_at - now) / seconds_per_step))
-            others.add_delayed(booking.trajectories, steps_to_slot)
+        booked = [
+            (b.trajectories, max(0, round((b.slot_at - now) / seconds_per_step)))
+            for b in self._counted()
+            # not its own earlier slot (a what-if leaves it booked), nor those refused after
+            # it (told to come back after it)
+            if (key is None or b.key != key) and (mine is None or b.rank <= mine.rank)
+        ]
         budget = self._budget(budget_blocks, external_blocks)
-        steps = self._steps(others, queued, candidate, budget, likely)
+        steps = self._steps(others, queued, candidate, budget, likely, booked)
         if steps is None:
             return self._fallback(fallback, now, book, key, mine)
         own = self._own(candidate, likely)
