@@ -194,8 +194,17 @@ def test_the_fingerprint_is_the_same_in_every_process() -> None:
 RUN = 124
 
 
-def big(ac) -> Reservation:  # type: ignore[no-untyped-def]
+def big(ac: AdmissionController) -> Reservation:
     return ac.ledger.candidate(BIG, streamed=True, ends=(RUN,))
+
+
+def small(ac: AdmissionController) -> Reservation:
+    """One block, 20 tokens long: it fits beside the seven in flight now."""
+    return ac.ledger.candidate(
+        project_counts((100,), requested_max_tokens=20, n=1, max_model_len=1024, blocks=BLOCKS),
+        streamed=True,
+        ends=(20,),
+    )
 
 
 def steps(p: RetryPlanner, candidate: Reservation, ahead: list[Reservation]) -> int | None:
@@ -233,11 +242,7 @@ def test_a_small_request_behind_a_large_one_waits_for_the_large_one_to_start() -
     """The queue tries its head only: a request that would fit now waits behind the head, and
     then fits beside it."""
     ac, _ = refusing()
-    tiny = ac.ledger.candidate(
-        project_counts((100,), requested_max_tokens=20, n=1, max_model_len=1024, blocks=BLOCKS),
-        streamed=True,
-        ends=(20,),
-    )
+    tiny = small(ac)
     assert steps(planner(ac), tiny, []) == 0  # 1 block: fits now
     assert steps(planner(ac), tiny, [big(ac)]) == 224  # after the BIG ahead of it starts
 
@@ -257,11 +262,7 @@ def test_the_requests_queued_now_start_before_the_refused_ones_come_back() -> No
     ac, _ = refusing()
     refuse(ac, 1)
     slot = round(ALONE / STEP)  # the booking's start, in steps from now
-    tiny = ac.ledger.candidate(
-        project_counts((100,), requested_max_tokens=20, n=1, max_model_len=1024, blocks=BLOCKS),
-        streamed=True,
-        ends=(20,),
-    )
+    tiny = small(ac)
     seconds = planner(ac).plan(
         tiny,
         ahead=[big(ac)],

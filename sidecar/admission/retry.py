@@ -155,8 +155,9 @@ class RetryPlanner:
         if budget_blocks is None:
             return None
         others, queued = self._columns(ahead, likely)
+        own = self._own(candidate, likely)
         return self._steps(
-            others, queued, candidate, self._budget(budget_blocks, external_blocks), likely
+            others, queued, own, self._budget(budget_blocks, external_blocks), likely
         )
 
     def _columns(
@@ -172,17 +173,18 @@ class RetryPlanner:
         self,
         others: Columns | ArrayColumns,
         queued: Sequence[Reservation],
-        candidate: Reservation,
+        candidate: Columns,
         budget: int,
         likely: Callable[[str], int | None] | None,
         booked: Sequence[tuple[Columns, int]] = (),
     ) -> int | None:
-        """Steps until ``candidate`` fits beside ``others`` once ``queued`` (ahead of it, in
-        order) have started: each starts where it first fits beside what started before it, and
-        no sooner than the one ahead of it (the queue tries its head only), and then runs as the
-        requests in flight do, to where its class's answers likely end. ``booked``: refused
-        requests coming back (each starting that many steps from now), laid out after the
-        queued ones, which are served before them. None: one of them never fits."""
+        """Steps until ``candidate`` (its trajectories) fits beside ``others`` once ``queued``
+        (ahead of it, in order) have started: each starts where it first fits beside what
+        started before it, and no sooner than the one ahead of it (the queue tries its head
+        only), and then runs as the requests in flight do, to where its class's answers likely
+        end. ``booked``: refused requests coming back (each starting that many steps from now),
+        laid out after the queued ones, which are served before them. None: one of them never
+        fits."""
         start = 0
         for res in queued:
             own = self._own(res, likely)
@@ -193,8 +195,7 @@ class RetryPlanner:
             start = at
         for trajectories, steps_to_slot in booked:
             others.add_delayed(trajectories, steps_to_slot)
-        own = self._own(candidate, likely)
-        return steps_until_fits(others, own, budget, self.ledger.blocks, not_before=start)
+        return steps_until_fits(others, candidate, budget, self.ledger.blocks, not_before=start)
 
     def _budget(self, budget_blocks: int, external_blocks: int) -> int:
         """What the trajectories may hold: the budget less what vLLM holds beyond the ledger and
@@ -241,11 +242,11 @@ class RetryPlanner:
             # it (told to come back after it)
             if (key is None or b.key != key) and (mine is None or b.rank <= mine.rank)
         ]
+        own = self._own(candidate, likely)
         budget = self._budget(budget_blocks, external_blocks)
-        steps = self._steps(others, queued, candidate, budget, likely, booked)
+        steps = self._steps(others, queued, own, budget, likely, booked)
         if steps is None:
             return self._fallback(fallback, now, book, key, mine)
-        own = self._own(candidate, likely)
         # a little late rather than early: the requests that make room must have ended and
         # been released when the client comes back, however the step time wavers
         seconds = _clamp(max(steps, 1) * seconds_per_step * _LATE_SHARE + _LATE_S)
